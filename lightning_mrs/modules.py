@@ -1,0 +1,113 @@
+"""MRSNorm modules: thin, drop-in wrappers around :func:`lightning_mrs.mrs_norm`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mrs.functional import mrs_norm
+
+__all__ = ["MRSNorm", "MRSNorm2d"]
+
+
+class _MRSNormBase(nn.Module):
+    """Shared constructor: ``num_channels`` first, one weight per phasor, no bias."""
+
+    def __init__(
+        self,
+        num_channels: int,
+        eps: float = 1e-6,
+        affine: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 2:
+            raise ValueError(f"{name}: num_channels must be a positive even int, got {num_channels!r}.")
+        if num_channels % 2:
+            raise ValueError(
+                f"{name}({num_channels}): MRSNorm pairs adjacent channels into 2-D phasors, so "
+                "num_channels must be even. Use an even width (e.g. "
+                f"{num_channels + 1}), or keep a LayerNorm/RMSNorm for this layer."
+            )
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be > 0 (it keeps zeros finite), got {eps}.")
+        self.num_channels = num_channels
+        self.num_phasors = num_channels // 2
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.weight = nn.Parameter(torch.empty(self.num_phasors, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class MRSNorm(_MRSNormBase):
+    """MRSNorm over the last dim (channels-last): a drop-in for ``nn.LayerNorm(C)``.
+
+    One scale ``S`` per position; ``C // 2`` learnable phasor weights, no bias.
+
+    Example:
+        >>> norm = MRSNorm(768)
+        >>> norm(torch.randn(2, 197, 768)).shape
+        torch.Size([2, 197, 768])
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim == 0 or x.shape[-1] != self.num_channels:
+            raise ValueError(
+                f"{self}: expected the last dim to hold {self.num_channels} channels, got input "
+                f"of shape {tuple(x.shape)}. MRSNorm is channels-last; use MRSNorm2d for "
+                "(N, C, *spatial) tensors."
+            )
+        return mrs_norm(x, self.weight, self.eps, channel_dim=-1)
+
+
+class MRSNorm2d(_MRSNormBase):
+    """MRSNorm over dim 1 of ``(N, C, *spatial)`` tensors (any number of spatial dims).
+
+    Args:
+        spatial: ``False`` gives one ``S`` per (sample, position), like ConvNeXt's
+            LayerNorm2d; ``True`` one ``S`` per sample over all phasors and positions, like
+            ``GroupNorm(1, C)``.
+
+    Example:
+        >>> norm = MRSNorm2d(64, spatial=True)
+        >>> norm(torch.randn(8, 64, 32, 32)).shape
+        torch.Size([8, 64, 32, 32])
+    """
+
+    def __init__(
+        self,
+        num_channels: int,
+        eps: float = 1e-6,
+        affine: bool = True,
+        spatial: bool = False,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        self.spatial = spatial
+        super().__init__(num_channels, eps, affine, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(
+                f"{self}: expected input of shape (N, {self.num_channels}, *spatial), got "
+                f"{tuple(x.shape)}. MRSNorm2d is channels-first; use MRSNorm for channels-last "
+                "tensors."
+            )
+        return mrs_norm(x, self.weight, self.eps, channel_dim=1, spatial=self.spatial)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, spatial={self.spatial}"
