@@ -25,7 +25,7 @@ class _MRSNormBase(nn.Module):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 2:
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
             raise ValueError(f"{name}: num_channels must be a positive even int, got {num_channels!r}.")
         if num_channels % 2:
             raise ValueError(
