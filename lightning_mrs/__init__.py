@@ -5,6 +5,13 @@ Needs only torch. The Lightning callbacks live in the separate ``callbacks`` pac
 
 from lightning_mrs.functional import mrs_norm, mrs_scale
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.norm_registry import NormSpec, iter_norm_layers, norm_spec, register_norm
+from lightning_mrs.swap import SWAP_TARGETS, SwapReport, swap_norms
+from lightning_mrs.swap_layers import LayerNorm2d, NormAct, RMSNorm2d
 
-__all__ = ["MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale"]
+__all__ = [
+    "MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale",
+    "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "NormAct",
+    "swap_norms", "SwapReport", "SWAP_TARGETS",
+]
 __version__ = "0.1.0"

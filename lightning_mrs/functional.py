@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_mrs.fused import BACKENDS, fused_mrs_norm, resolve_backend
+
 __all__ = ["mrs_norm", "mrs_scale", "check_mrs_input"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -101,6 +103,7 @@ def mrs_norm(
     *,
     channel_dim: int = -1,
     spatial: bool = False,
+    backend: str = "auto",
 ) -> Tensor:
     """Mean Root Square normalisation of ``x`` (phasor normalisation).
 
@@ -112,6 +115,12 @@ def mrs_norm(
         channel_dim: the dim that holds the ``C`` (even) channels; ``-1`` for channels-last,
             ``1`` for channels-first.
         spatial: share one ``S`` per sample over all dims but the first.
+        backend: ``"auto"`` (default) picks the fastest implementation available: a fused
+            autograd Function saving only ``x`` and ``1/S``, with Inductor-compiled kernels
+            (CPU/GPU, compiled on first use) or Triton kernels (CUDA); the plain formula
+            under ``torch.compile``. ``"eager"`` is this module's pure-torch formula (the
+            reference); ``"function"``, ``"inductor"`` and ``"triton"`` force one
+            implementation (see :mod:`lightning_mrs.fused`).
 
     Returns:
         A tensor of the shape, dtype and memory format of ``x``.
@@ -123,6 +132,14 @@ def mrs_norm(
         torch.Size([4, 16, 64])
     """
     cd = check_mrs_input(x, weight, eps, channel_dim, spatial)
+    if backend != "eager":
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"mrs_norm: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}."
+            )
+        impl = resolve_backend(x, cd, spatial, backend)
+        if impl != "eager":
+            return fused_mrs_norm(x, weight, eps, cd, spatial, impl)
     xf = x.float() if x.dtype in _HALF_DTYPES else x
     even, odd = _pairs(xf, cd)  # (..., P, ...)
     r = torch.sqrt(even * even + odd * odd + eps)  # (..., P, ...)

@@ -15,6 +15,10 @@ __all__ = ["MRSNorm", "MRSNorm2d"]
 class _MRSNormBase(nn.Module):
     """Shared constructor: ``num_channels`` first, one weight per phasor, no bias."""
 
+    #: Implementation of :func:`mrs_norm` (``"auto"``: fused kernels; ``"eager"``: the
+    #: pure-torch formula). Set per instance, e.g. ``norm.backend = "eager"``.
+    backend: str = "auto"
+
     def __init__(
         self,
         num_channels: int,
@@ -71,7 +75,7 @@ class MRSNorm(_MRSNormBase):
                 f"of shape {tuple(x.shape)}. MRSNorm is channels-last; use MRSNorm2d for "
                 "(N, C, *spatial) tensors."
             )
-        return mrs_norm(x, self.weight, self.eps, channel_dim=-1)
+        return mrs_norm(x, self.weight, self.eps, channel_dim=-1, backend=self.backend)
 
 
 class MRSNorm2d(_MRSNormBase):
@@ -107,7 +111,9 @@ class MRSNorm2d(_MRSNormBase):
                 f"{tuple(x.shape)}. MRSNorm2d is channels-first; use MRSNorm for channels-last "
                 "tensors."
             )
-        return mrs_norm(x, self.weight, self.eps, channel_dim=1, spatial=self.spatial)
+        return mrs_norm(
+            x, self.weight, self.eps, channel_dim=1, spatial=self.spatial, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spatial={self.spatial}"

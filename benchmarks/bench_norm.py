@@ -1,0 +1,179 @@
+"""Forward+backward time and saved-activation memory of MRSNorm against native norms.
+
+Every case times, interleaved in one process (so machine noise hits all rows alike), the
+default ``MRSNorm``/``MRSNorm2d`` module, its native counterpart (the ratio's denominator)
+and peers: the eager MRS formula, ``F.rms_norm`` eager and compiled. Saved memory is the sum
+of the unique storages packed by ``torch.autograd.graph.saved_tensors_hooks`` for one
+forward.
+
+Usage::
+
+    python benchmarks/bench_norm.py                 # the table
+    python benchmarks/bench_norm.py --json out.json # also the raw figures
+    python benchmarks/bench_norm.py --repeats 21 --inner 5 --cases ln_8192x1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mrs import MRSNorm, MRSNorm2d
+
+try:  # timm is a project dependency; keep the script usable without it
+    from timm.layers import LayerNorm2d
+except ImportError:  # pragma: no cover
+    LayerNorm2d = None
+
+
+def saved_bytes(module: nn.Module, x: Tensor) -> int:
+    """Bytes of the unique storages saved for backward by one forward of ``module``."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x.detach().requires_grad_())
+    return sum(storages.values())
+
+
+def _step(module: nn.Module, x: Tensor, gy: Tensor) -> None:
+    x.grad = None
+    module(x).backward(gy)
+
+
+def _time(fn: Callable[[], None], inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+class _Compiled(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.m = m
+        self.fn = torch.compile(m, dynamic=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module]], str]]:
+    """name -> (input shape, {row name: module factory}, name of the denominator row)."""
+    out = {}
+    for m, c in ((8192, 1024), (2048, 4096)):
+        out[f"ln_{m}x{c}"] = (
+            (m, c),
+            {
+                "MRSNorm (default)": lambda c=c: MRSNorm(c),
+                "nn.LayerNorm": lambda c=c: nn.LayerNorm(c),
+                "MRSNorm eager formula": lambda c=c: _eager(MRSNorm(c)),
+                "F.rms_norm eager": lambda c=c: nn.RMSNorm(c),
+                "F.rms_norm compiled": lambda c=c: _Compiled(nn.RMSNorm(c)),
+            },
+            "nn.LayerNorm",
+        )
+    shape = (64, 64, 32, 32)
+    if LayerNorm2d is not None:
+        out["pos_64x64x32x32"] = (
+            shape,
+            {
+                "MRSNorm2d (default)": lambda: MRSNorm2d(64),
+                "timm LayerNorm2d": lambda: LayerNorm2d(64),
+                "MRSNorm2d eager formula": lambda: _eager(MRSNorm2d(64)),
+            },
+            "timm LayerNorm2d",
+        )
+    out["spatial_64x64x32x32"] = (
+        shape,
+        {
+            "MRSNorm2d spatial (default)": lambda: MRSNorm2d(64, spatial=True),
+            "nn.GroupNorm(1, C)": lambda: nn.GroupNorm(1, 64),
+            "MRSNorm2d spatial eager formula": lambda: _eager(MRSNorm2d(64, spatial=True)),
+        },
+        "nn.GroupNorm(1, C)",
+    )
+    return out
+
+
+def _eager(m: nn.Module) -> nn.Module:
+    m.backend = "eager"
+    return m
+
+
+def run_case(name: str, shape, factories, base: str, repeats: int, inner: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(shape, requires_grad=True)
+    gy = torch.randn(shape)
+    mods = {k: f() for k, f in factories.items()}
+    for m in mods.values():  # warm-up: compiles, allocator, caches
+        for _ in range(3):
+            _step(m, x, gy)
+    times: dict[str, list[float]] = {k: [] for k in mods}
+    for _ in range(repeats):  # interleaved: every row sees the same machine state
+        for k, m in mods.items():
+            times[k].append(_time(lambda m=m: _step(m, x, gy), inner))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mem = {k: saved_bytes(m, x) for k, m in mods.items()}
+    rows = []
+    for k in mods:
+        rows.append(
+            {
+                "impl": k,
+                "ms": med[k] * 1e3,
+                "time_ratio": med[k] / med[base],
+                "saved_MiB": mem[k] / 2**20,
+                "mem_ratio": mem[k] / mem[base],
+            }
+        )
+    return {"case": name, "shape": list(shape), "baseline": base, "rows": rows}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=15, help="interleaved rounds (median)")
+    p.add_argument("--inner", type=int, default=3, help="fwd+bwd calls per timed round")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--cases", nargs="*", default=None, help="subset of case names")
+    p.add_argument("--json", default=None, help="write the raw figures to this file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    all_cases = cases()
+    names = args.cases or list(all_cases)
+    unknown = [n for n in names if n not in all_cases]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; choose from {list(all_cases)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.repeats} interleaved rounds x {args.inner} calls, median")
+    results = []
+    hdr = f"{'case':22s} {'impl':34s} {'fwd+bwd ms':>10s} {'time x':>7s} {'saved MiB':>9s} {'mem x':>6s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for n in names:
+        res = run_case(n, *all_cases[n], args.repeats, args.inner)
+        results.append(res)
+        for r in res["rows"]:
+            print(f"{n:22s} {r['impl']:34s} {r['ms']:10.2f} {r['time_ratio']:7.2f} "
+                  f"{r['saved_MiB']:9.1f} {r['mem_ratio']:6.2f}")
+        sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

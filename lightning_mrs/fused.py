@@ -1,0 +1,215 @@
+"""The fused MRSNorm: a custom autograd Function and the choice of kernel behind it.
+
+Eager MRSNorm saves every intermediate (``x^2``, ``r``, ``S``, ``x/S``...) for the backward
+and runs one kernel per op. :class:`MRSNormFunction` saves only the input and the per-group
+``1/S`` and calls one fused forward and one fused backward (PAPER.md, "Backward"), in one of
+three implementations:
+
+* ``"inductor"``: the bodies of :mod:`lightning_mrs.kernels_inductor` compiled by Inductor
+  (C++/OpenMP on the CPU, Triton on a GPU), compiled on first use;
+* ``"triton"``: the hand-written kernels of :mod:`lightning_mrs.kernels_triton` (CUDA);
+* ``"function"``: the same bodies run eagerly (float64, tiny tensors, no compiler).
+
+``backend="auto"`` (the default of :func:`lightning_mrs.mrs_norm` and of the modules) picks
+the fastest that applies; see :func:`resolve_backend`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mrs import kernels_inductor as ki
+
+__all__ = ["BACKENDS", "MRSNormFunction", "fused_mrs_norm", "resolve_backend"]
+
+BACKENDS = ("auto", "eager", "function", "inductor", "triton")
+
+# Below this many elements a compiled kernel is not worth its guards and its compile time
+# (seconds per new shape); the "function" path still saves only x and 1/S.
+COMPILE_MIN_NUMEL = int(os.environ.get("LIGHTNING_MRS_COMPILE_MIN_NUMEL", 1 << 15))
+_COMPILE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Canonical(NamedTuple):
+    """A kernel's view of the input: ``x3`` and how to map results back."""
+
+    x3: Tensor  # (A, L, C) if last else (A, C, L)
+    last: bool  # channels contiguous (the *_last kernels)
+    shape: tuple[int, ...]  # x.movedim(cd, -1).shape if last else x.shape
+
+
+def to_canonical(x: Tensor, cd: int, spatial: bool) -> Canonical:
+    """``x`` as a 3-d view for the kernels (see :mod:`lightning_mrs.kernels_inductor`).
+
+    Channels with stride 1 (tokens, NHWC, ``channels_last``) give ``(A, L, C)``, other
+    layouts ``(A, C, L)``. ``spatial=False``: one group per position (``A`` = all positions,
+    or the dims before the channel dim); ``spatial=True``: ``A`` = the batch dim (the
+    channel dim must then be 1 or the last, see :func:`resolve_backend`). ``reshape`` is a
+    view for every dense layout; odd strides fall back to a copy.
+    """
+    shape = x.shape
+    c = shape[cd]
+    if x.stride(cd) == 1:
+        moved = x.movedim(cd, -1)  # (..., C), a view
+        a = shape[0] if spatial else moved.numel() // c
+        x3 = moved.reshape(a, moved.numel() // (a * c), c)  # (A, L, C)
+        return Canonical(x3, True, tuple(moved.shape))
+    if spatial:
+        a, l = shape[0], math.prod(shape[1:]) // c
+    else:
+        a, l = math.prod(shape[:cd]), math.prod(shape[cd + 1 :])
+    return Canonical(x.reshape(a, c, l), False, tuple(shape))  # (A, C, L)
+
+
+def _from_canonical(y3: Tensor, can: Canonical, cd: int) -> Tensor:
+    if can.last:
+        return y3.reshape(can.shape).movedim(-1, cd)
+    return y3.reshape(can.shape)
+
+
+def _like(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` with the strides of ``x`` (one compiled kernel per layout, not per gradient)."""
+    if g.stride() == x.stride():
+        return g
+    return torch.empty_like(x, dtype=g.dtype).copy_(g)
+
+
+def _ct(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+_MASKS: dict[tuple, Tensor] = {}
+
+
+def _even_mask(x3: Tensor) -> Tensor:
+    key = (x3.shape[2], _ct(x3), x3.device)
+    m = _MASKS.get(key)
+    if m is None:
+        m = (torch.arange(key[0], device=x3.device) % 2 == 0).to(key[1])  # (C,) 1 on even
+        _MASKS[key] = m
+    return m
+
+
+def _weight2(weight: Optional[Tensor]) -> Optional[Tensor]:
+    # Per-channel gain (C,), built eagerly (tiny): a contiguous load in the kernels, where
+    # an index c // 2 inside them would defeat vectorisation.
+    return None if weight is None else weight.repeat_interleave(2)
+
+
+def _run_forward(impl: str, can: Canonical, w2: Optional[Tensor], eps: float, spatial: bool):
+    if impl == "triton":
+        from lightning_mrs import kernels_triton as kt
+
+        x3 = can.x3.transpose(1, 2) if can.last else can.x3  # (A, C, L), any strides
+        y3, inv_s = kt.forward(x3, w2, eps)
+        return (y3.transpose(1, 2) if can.last else y3), inv_s
+    use = impl == "inductor"
+    if can.last:
+        return ki.run("fwd_last", can.x3, w2, _even_mask(can.x3), eps, spatial, use_compiled=use)
+    return ki.run("fwd_first", can.x3, w2, eps, spatial, use_compiled=use)
+
+
+def _run_backward(impl: str, can: Canonical, g3: Tensor, w2, inv_s: Tensor, eps: float, spatial: bool):
+    if impl == "triton":
+        from lightning_mrs import kernels_triton as kt
+
+        t = (lambda v: v.transpose(1, 2)) if can.last else (lambda v: v)
+        dx3, dw = kt.backward(t(can.x3), w2, inv_s, t(g3), eps)
+        return t(dx3), dw
+    use = impl == "inductor"
+    if can.last:
+        m = _even_mask(can.x3)
+        return ki.run("bwd_last", can.x3, w2, m, inv_s, g3, eps, spatial, use_compiled=use)
+    return ki.run("bwd_first", can.x3, w2, inv_s, g3, eps, spatial, use_compiled=use)
+
+
+class MRSNormFunction(torch.autograd.Function):
+    """MRSNorm with a hand-written backward that needs only ``x`` and ``1/S``.
+
+    ``apply(x, weight, eps, channel_dim, spatial, impl)`` with ``channel_dim`` already
+    normalised (``>= 0``) and ``impl`` one of ``"inductor"``, ``"triton"``, ``"function"``.
+    Double backward (``create_graph=True``) recomputes the forward with differentiable torch
+    ops, so gradgradcheck and gradient penalties work too.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str):
+        can = to_canonical(x, cd, spatial)
+        y3, inv_s = _run_forward(impl, can, _weight2(weight), eps, spatial)
+        ctx.save_for_backward(x, weight, inv_s)  # inv_s: one value per group
+        ctx.cfg = (eps, cd, spatial, impl)
+        return _from_canonical(y3, can, cd)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, weight, inv_s = ctx.saved_tensors
+        eps, cd, spatial, impl = ctx.cfg
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
+            dx, dw = _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w)
+            return dx, dw, None, None, None, None
+        can = to_canonical(x, cd, spatial)
+        g3 = to_canonical(_like(g, x), cd, spatial).x3
+        dx3, dw = _run_backward(impl, can, g3, _weight2(weight), inv_s, eps, spatial)
+        dx = _from_canonical(dx3, can, cd) if need_x else None
+        dw = dw.to(weight.dtype) if need_w else None
+        return dx, dw, None, None, None, None
+
+
+def _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w):
+    from lightning_mrs.functional import mrs_norm  # the eager formula; lazy: no import cycle
+
+    inputs = [t for t, need in ((x, need_x), (weight, need_w)) if need]
+    with torch.enable_grad():
+        y = mrs_norm(x, weight, eps, channel_dim=cd, spatial=spatial, backend="eager")
+        grads = torch.autograd.grad(y, inputs, g, create_graph=True, allow_unused=True)
+    it = iter(grads)
+    return (next(it) if need_x else None), (next(it) if need_w else None)
+
+
+def _triton_ok(x: Tensor, spatial: bool) -> bool:
+    if not x.is_cuda or spatial:
+        return False
+    from lightning_mrs import kernels_triton as kt
+
+    return kt.available()
+
+
+def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
+    """The implementation that ``backend`` means for this input.
+
+    ``"auto"``: the eager formula under ``torch.compile`` (the outer compile fuses it, no
+    graph break) and where no canonical view exists; Triton on CUDA when installed
+    (``spatial=False``); Inductor for float32/16/bf16 tensors of at least
+    ``COMPILE_MIN_NUMEL`` elements; else the eager-bodied ``"function"``.
+    """
+    if backend == "eager" or torch.compiler.is_compiling() or x.numel() == 0:
+        return "eager"
+    if spatial and cd not in (1, x.ndim - 1):  # no 3-d view has one group per sample
+        return "eager"
+    if backend == "triton":
+        if not _triton_ok(x, spatial):
+            raise ValueError(
+                "mrs_norm(backend='triton') needs a CUDA tensor, the triton package and "
+                "spatial=False; use backend='auto' to pick the best available kernel."
+            )
+        return "triton"
+    if backend in ("inductor", "function"):
+        return backend
+    if _triton_ok(x, spatial):
+        return "triton"
+    if x.dtype in _COMPILE_DTYPES and x.numel() >= COMPILE_MIN_NUMEL and not ki.compile_failed():
+        return "inductor"
+    return "function"
+
+
+def fused_mrs_norm(
+    x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str
+) -> Tensor:
+    """Apply :class:`MRSNormFunction` (``impl`` from :func:`resolve_backend`, not "eager")."""
+    return MRSNormFunction.apply(x, weight, eps, cd, spatial, impl)

@@ -1,0 +1,218 @@
+"""Forward and backward bodies of the fused MRSNorm, compiled by Inductor on first use.
+
+Every layout is first brought to one of two canonical *views* (no copy, see
+:mod:`lightning_mrs.fused`), ``A`` groups (dim 0, dynamic: new batch sizes do not
+recompile) of ``C`` channels at ``L`` positions; one ``S`` per ``(a, l)`` (``spatial=False``)
+or per ``a`` (``spatial=True``):
+
+* ``*_last``: ``(A, L, C)`` with the channels contiguous (tokens, NHWC). The partner of a
+  channel is read with two shifted contiguous loads (``x[c+1]``/``x[c-1]``) and an even-
+  channel mask, which Inductor vectorises; strided ``0::2``/``1::2`` views here would be
+  scalar code, and a trailing dim of size 2 worse still.
+* ``*_first``: ``(A, C, L)`` with the positions contiguous (NCHW). Here the strided even/odd
+  views ``x3[:, 0::2]``/``x3[:, 1::2]`` are whole rows of ``L`` and vectorise along ``L``.
+
+The bodies are plain torch code: :func:`run` calls the Inductor-compiled version (compiled
+on the first call, cached for the process) or the same functions eagerly (float64, tiny
+tensors, no C++ compiler). Only ``x`` and one scale per group are needed by the backward;
+the pair magnitudes ``r`` are recomputed there (``x`` is in cache, cheaper than storing r).
+The forward returns the group's ``r_sum = P * S`` (the reduction's own output) rather than
+``1/S``: a separate ``1/S`` output would be one more kernel between the reduction and the
+normalisation and stop Inductor from fusing both into one loop over the groups.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["fwd_last", "bwd_last", "fwd_first", "bwd_first", "run", "compile_failed"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_DW_SPLIT = 8  # rows summed together before the column reduction of dw (see _col_sum)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in _HALF else x.dtype
+
+
+def _col_sum(t: Tensor) -> Tensor:
+    """``t.sum(0)`` for a ``(R, C)`` tensor, in two stages.
+
+    A direct dim-0 reduction walks each column down all R rows (one page per row: TLB
+    misses, no prefetch; ~8x slower on the CPU). Summing blocks of ``_DW_SPLIT`` adjacent
+    rows first reads memory in order. The split is written with a floor so that it holds
+    for any (dynamic) R.
+    """
+    rows = t.shape[0]
+    main = (rows // _DW_SPLIT) * _DW_SPLIT
+    head = t[:main].view(rows // _DW_SPLIT, _DW_SPLIT, t.shape[1]).sum(1).sum(0)  # (C,)
+    return head + t[main:].sum(0)  # (C,)
+
+
+# --- channels innermost: x3 is (A, L, C) with stride 1 along C (tokens, NHWC) -------------
+# The partner of channel c is x[c+1] (even c) or x[c-1] (odd c): two contiguous shifted
+# loads, where the strided even/odd views would make Inductor emit scalar code.
+def _fwd_last(x3, w2, even_mask, eps: float, spatial: bool):
+    xf = x3.to(_compute_dtype(x3))  # (A, L, C)
+    nxt = F.pad(xf[..., 1:], (0, 1))  # (A, L, C): x[c+1]
+    r = torch.sqrt(xf * xf + nxt * nxt + eps) * even_mask  # r of pair c/2 on even c, else 0
+    dims = (1, 2) if spatial else (2,)
+    n_pairs = (x3.shape[2] // 2) * (x3.shape[1] if spatial else 1)
+    r_sum = r.sum(dim=dims, keepdim=True)  # (A, 1|L, 1) = P * S
+    y = xf * (n_pairs / r_sum)
+    if w2 is not None:
+        y = y * w2.to(xf.dtype)  # (C,) per-channel gain, precomputed: contiguous loads
+    return y.to(x3.dtype), r_sum
+
+
+def _bwd_last(x3, w2, even_mask, r_sum, g3, eps: float, spatial: bool):
+    ct = r_sum.dtype
+    xf, gf = x3.to(ct), g3.to(ct)  # (A, L, C)
+    nxt = F.pad(xf[..., 1:], (0, 1))  # x[c+1]
+    prv = F.pad(xf[..., :-1], (1, 0))  # x[c-1]
+    partner = nxt * even_mask + prv * (1 - even_mask)  # the other channel of c's phasor
+    rinv = torch.rsqrt(xf * xf + partner * partner + eps)  # (A, L, C), recomputed
+    gw = gf * w2.to(ct) if w2 is not None else gf
+    dims = (1, 2) if spatial else (2,)
+    n_pairs = (x3.shape[2] // 2) * (x3.shape[1] if spatial else 1)
+    inv_s = n_pairs / r_sum  # (A, 1|L, 1)
+    # c = sum_k w g x per group; dS/dx_k = x_k / (P r_k), so dx = (w g - c x / (P S r)) / S
+    c = (gw * xf).sum(dim=dims, keepdim=True)
+    k = c * inv_s * inv_s / n_pairs
+    dx = gw * inv_s - k * (xf * rinv)  # (A, L, C)
+    dw = None
+    if w2 is not None:
+        dw2 = _col_sum((gf * xf * inv_s).flatten(0, 1))  # (C,)
+        dw = dw2.view(-1, 2).sum(1).to(w2.dtype)  # (P,)
+    return dx.to(x3.dtype), dw
+
+
+# --- channels strided: x3 is (A, C, L) (NCHW); vectorised along the positions L ---------
+def _fwd_first(x3, w2, eps: float, spatial: bool):
+    xf = x3.to(_compute_dtype(x3))  # (A, C, L)
+    even, odd = xf[:, 0::2], xf[:, 1::2]  # (A, P, L) strided views
+    r = torch.sqrt(even * even + odd * odd + eps)  # (A, P, L)
+    dims = (1, 2) if spatial else (1,)
+    n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
+    r_sum = r.sum(dim=dims, keepdim=True)  # (A, 1, L|1) = P * S
+    y = xf * (n_pairs / r_sum)
+    if w2 is not None:
+        y = y * w2.to(xf.dtype).unsqueeze(1)  # (C, 1)
+    return y.to(x3.dtype), r_sum
+
+
+def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
+    ct = r_sum.dtype
+    xf, gf = x3.to(ct), g3.to(ct)  # (A, C, L)
+    even, odd = xf[:, 0::2], xf[:, 1::2]  # (A, P, L)
+    rinv = torch.rsqrt(even * even + odd * odd + eps)  # (A, P, L), recomputed
+    rinv2 = rinv.unsqueeze(2).expand(-1, -1, 2, -1).flatten(1, 2)  # (A, C, L)
+    gw = gf * w2.to(ct).unsqueeze(1) if w2 is not None else gf
+    dims = (1, 2) if spatial else (1,)
+    n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
+    inv_s = n_pairs / r_sum  # (A, 1, L|1)
+    c = (gw * xf).sum(dim=dims, keepdim=True)
+    k = c * inv_s * inv_s / n_pairs
+    dx = gw * inv_s - k * (xf * rinv2)  # (A, C, L)
+    dw = None
+    if w2 is not None:
+        dw2 = (gf * xf * inv_s).sum(dim=(0, 2))  # (C,)
+        dw = dw2.view(-1, 2).sum(1).to(w2.dtype)  # (P,)
+    return dx.to(x3.dtype), dw
+
+
+# Distinct code objects, so that each keeps its own Dynamo cache (the recompile limit is
+# per code object).
+def fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float, spatial: bool):
+    """``(y3, r_sum)`` for ``x3`` of shape ``(A, L, C)``, channels contiguous."""
+    return _fwd_last(x3, w2, even_mask, eps, spatial)
+
+
+def bwd_last(x3, w2, even_mask, r_sum, g3, eps: float, spatial: bool):
+    """``(dx3, dw)`` of :func:`fwd_last` for the upstream gradient ``g3``."""
+    return _bwd_last(x3, w2, even_mask, r_sum, g3, eps, spatial)
+
+
+def fwd_first(x3: Tensor, w2: Optional[Tensor], eps: float, spatial: bool):
+    """``(y3, r_sum)`` for ``x3`` of shape ``(A, C, L)``, channels strided."""
+    return _fwd_first(x3, w2, eps, spatial)
+
+
+def bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
+    """``(dx3, dw)`` of :func:`fwd_first` for the upstream gradient ``g3``."""
+    return _bwd_first(x3, w2, r_sum, g3, eps, spatial)
+
+
+_EAGER: dict[str, Callable] = {
+    "fwd_last": fwd_last,
+    "bwd_last": bwd_last,
+    "fwd_first": fwd_first,
+    "bwd_first": bwd_first,
+}
+_COMPILED: dict[str, Callable] = {}  # module-level cache: one compiled function per body
+_LOCK = threading.Lock()
+_FAILED: list[str] = []  # the first compile error, if any (then everything runs eagerly)
+
+
+def compile_failed() -> Optional[str]:
+    """The error that disabled the compiled path in this process, or ``None``."""
+    return _FAILED[0] if _FAILED else None
+
+
+def _disable(err: BaseException) -> None:
+    if not _FAILED:
+        _FAILED.append(f"{type(err).__name__}: {err}")
+        warnings.warn(
+            "lightning_mrs: compiling the fused MRSNorm kernels failed, falling back to the "
+            f"eager implementation for the rest of this process ({_FAILED[0][:300]}). "
+            "Install a C++ compiler (CPU) or pass backend='eager' to silence this warning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _get(name: str) -> Callable:
+    fn = _COMPILED.get(name)
+    if fn is None:
+        with _LOCK:
+            fn = _COMPILED.get(name)
+            if fn is None:
+                # dynamic=False keeps C and L static (far better vectorised code); the group
+                # dim A is marked dynamic per call, so new batch sizes do not recompile.
+                fn = torch.compile(
+                    _EAGER[name], fullgraph=True, dynamic=False, recompile_limit=64
+                )
+                _COMPILED[name] = fn
+    return fn
+
+
+def _mark(*tensors: Optional[Tensor]) -> None:
+    for t in tensors:
+        if t is not None and t.ndim and t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def run(name: str, *args, use_compiled: bool = True):
+    """Call body ``name`` compiled (first call compiles) or eagerly; fall back on failure.
+
+    Args:
+        name: one of ``fwd_last``, ``bwd_last``, ``fwd_first``, ``bwd_first``.
+        *args: the body's arguments.
+        use_compiled: ``False`` runs the plain torch body.
+    """
+    if use_compiled and not _FAILED:
+        fn = _get(name)
+        _mark(*(a for a in args if isinstance(a, Tensor) and a.ndim == 3))
+        try:
+            return fn(*args)
+        except Exception as err:  # no C++ compiler, unsupported platform, Inductor bug
+            out = _EAGER[name](*args)  # a genuine input error re-raises here, untouched
+            _disable(err)
+            return out
+    return _EAGER[name](*args)

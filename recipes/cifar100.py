@@ -1,0 +1,303 @@
+"""Train an image classifier on CIFAR-100 with MRSNorm (or a baseline norm), via LightningCLI.
+
+Run from the repository root (no subcommand: the script fits, validating every epoch):
+
+    # offline demo on a CPU (synthetic data, a tiny timm ResNet, about a minute)
+    python recipes/cifar100.py --config recipes/configs/demo_cpu.yaml
+    # the real job: ResNet-18 with MRSNorm on CIFAR-100, 200 epochs, all GPUs of the box
+    python recipes/cifar100.py --config recipes/configs/cifar100_resnet18.yaml --trainer.devices 4
+    # any flag: --model.arch/norm/lr, --data.dataset/root/batch_size, --trainer.* ...
+    python recipes/cifar100.py --help
+
+Multi-node: launch one process per GPU with ``torchrun --nnodes N --nproc-per-node G
+recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLURM with
+``srun`` (``--ntasks-per-node G``); Lightning picks the environment up and runs DDP.
+
+Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4), linear warm-up then cosine decay
+stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
+(``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
+DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
+(``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+if __package__ in (None, ""):  # run as a script: make the sibling module importable
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cifar_data import CifarDataModule, DatasetUnavailableError  # noqa: E402
+else:
+    from .cifar_data import CifarDataModule, DatasetUnavailableError  # noqa: E402
+
+from callbacks import GradientHomogeneityMonitor  # noqa: E402
+from lightning_mrs import swap_norms  # noqa: E402
+
+__all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model", "main"]
+
+NORMS = ("mrs", "rms", "layer", "batch")
+
+
+def build_model(arch: str, num_classes: int = 100, cifar_stem: bool = True) -> nn.Module:
+    """Build a randomly initialised torchvision or timm classifier.
+
+    Args:
+        arch: a torchvision model name (``torchvision.models.list_models()``) or a timm one
+            (``timm.list_models()``); force the source with ``tv:NAME`` or ``timm:NAME``.
+            A name known to both is taken from torchvision.
+        num_classes: size of the classifier head.
+        cifar_stem: give ResNets (torchvision or timm, any depth) the usual CIFAR stem: a 3x3
+            stride-1 first convolution and no max-pool, so 32x32 inputs keep their resolution.
+
+    Returns:
+        The model (``pretrained=False``/``weights=None``: nothing is downloaded).
+
+    Example:
+        >>> model = build_model("resnet18", num_classes=100)
+        >>> model.conv1.kernel_size, type(model.maxpool).__name__
+        ((3, 3), 'Identity')
+    """
+    import timm
+    import torchvision
+
+    source, _, name = arch.rpartition(":")
+    if source not in ("", "tv", "timm"):
+        raise ValueError(f"--model.arch {arch!r}: the prefix must be 'tv:' or 'timm:', got {source!r}.")
+    tv_names = set(torchvision.models.list_models(module=torchvision.models))
+    if source == "tv" or (source == "" and name in tv_names):
+        if name not in tv_names:
+            raise ValueError(f"--model.arch {arch!r}: not a torchvision classification model.")
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    else:
+        if not timm.is_model(name):
+            raise ValueError(
+                f"--model.arch {arch!r}: neither a torchvision classification model nor a timm model "
+                "(see torchvision.models.list_models() and timm.list_models())."
+            )
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+    if cifar_stem:
+        _cifar_stem(model)
+    return model
+
+
+def _cifar_stem(model: nn.Module) -> None:
+    """Turn an ImageNet ResNet stem (stride-2 7x7 conv + max-pool) into the CIFAR one."""
+    conv1, maxpool = getattr(model, "conv1", None), getattr(model, "maxpool", None)
+    if conv1 is None or not isinstance(maxpool, nn.MaxPool2d):
+        return  # not a ResNet-style stem (ViT, ConvNeXt, ...): leave the model as it is
+    if isinstance(conv1, nn.Conv2d):
+        model.conv1 = nn.Conv2d(conv1.in_channels, conv1.out_channels, 3, 1, 1, bias=conv1.bias is not None)
+    else:  # timm's deep stems (resnet*d, *t): keep the convs, drop the first stride
+        for m in conv1.modules():
+            if isinstance(m, nn.Conv2d) and m.stride != (1, 1):
+                m.stride = (1, 1)
+                break
+    model.maxpool = nn.Identity()
+
+
+class CifarClassifier(pl.LightningModule):
+    """An image classifier whose norm layers are swapped to MRSNorm (or a baseline) at build.
+
+    The swap happens in ``__init__``, so ``CifarClassifier.load_from_checkpoint(path)`` rebuilds
+    the same architecture from the saved hyperparameters and loads the weights.
+
+    Args:
+        arch: torchvision or timm model name (see :func:`build_model`).
+        norm: ``mrs`` (MRSNorm), ``rms`` (RMSNorm), ``layer`` (LayerNorm / GroupNorm(1, C))
+            replace every norm layer; ``batch`` keeps the model's own norms (BatchNorm).
+        lr: peak learning rate (reached at the end of the warm-up).
+        momentum: SGD momentum.
+        nesterov: Nesterov momentum.
+        weight_decay: SGD weight decay (on every parameter, as in the usual CIFAR recipe).
+        warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
+        schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
+        num_classes: classifier outputs.
+        cifar_stem: the CIFAR stem for ResNets (3x3 stride-1 conv, no max-pool).
+        label_smoothing: cross-entropy label smoothing.
+
+    Example:
+        >>> model = CifarClassifier(arch="timm:test_resnet", norm="mrs")  # doctest: +SKIP
+        >>> model(torch.randn(2, 3, 32, 32)).shape  # doctest: +SKIP
+        torch.Size([2, 100])
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet18",
+        norm: Literal["mrs", "rms", "layer", "batch"] = "mrs",
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        weight_decay: float = 5e-4,
+        warmup_frac: float = 0.05,
+        schedule: Literal["cosine", "constant"] = "cosine",
+        num_classes: int = 100,
+        cifar_stem: bool = True,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
+        if schedule not in ("cosine", "constant"):
+            raise ValueError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
+        if not 0.0 <= warmup_frac < 1.0:
+            raise ValueError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
+        if lr <= 0:
+            raise ValueError(f"--model.lr must be > 0, got {lr}.")
+        self.save_hyperparameters()
+        self.model = build_model(arch, num_classes, cifar_stem)
+        self.swap_report = None
+        if norm != "batch":
+            self.swap_report = swap_norms(self.model, target=norm)
+            rank_zero_info(str(self.swap_report))
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)  # (N, 3, H, W) -> (N, num_classes)
+
+    @override
+    def on_fit_start(self) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        per_device = getattr(dm, "batch_size", None)
+        if per_device is None:
+            return
+        world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
+        global_batch = per_device * world * accumulate
+        rank_zero_info(
+            f"global batch {global_batch} = {per_device} per device x {world} processes x {accumulate} accumulation"
+        )
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"data/global_batch_size": float(global_batch)}, step=0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # (N, 3, H, W), (N,)
+        logits = self(x)  # (N, K)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=self.hparams.label_smoothing)
+        self.train_top1(logits, y)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/top1", self.train_top1, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch  # (N, 3, H, W), (N,)
+        logits = self(x)  # (N, K)
+        loss = F.cross_entropy(logits.float(), y)
+        self.val_top1(logits, y)
+        self.val_top5(logits, y)
+        # torchmetrics objects sync their state across ranks; the loss needs sync_dist
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/top1", self.val_top1, prog_bar=True)
+        self.log("val/top5", self.val_top5)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov, weight_decay=hp.weight_decay
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(round(hp.warmup_frac * total))
+        cosine = hp.schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ValidateAtEnd(Callback):
+    """Stop (and so validate and checkpoint) on the last step when ``max_steps`` ends a run mid-epoch.
+
+    Without it a run cut short by ``--trainer.max_steps`` inside the first epoch never validates,
+    so it has no top-1 and no best checkpoint. Lightning validates when ``should_stop`` is set.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def default_precision(accelerator: Any) -> str:
+    """``bf16-mixed`` on a GPU with bf16, ``16-mixed`` on other GPUs, ``32-true`` elsewhere."""
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    if name in ("auto", "gpu", "cuda") or "cuda" in name:
+        if torch.cuda.is_available():
+            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+class CifarCLI(LightningCLI):
+    """LightningCLI with the recipe's callbacks, checkpointing and precision defaults."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.monitor": "val/top1",
+            "checkpoint.mode": "max",
+            "checkpoint.save_last": True,
+            "checkpoint.filename": "best-epoch{epoch:03d}-step{step:06d}-top1_{val/top1:.4f}",
+            "checkpoint.auto_insert_metric_name": False,
+        })
+        parser.add_lightning_class_args(GradientHomogeneityMonitor, "monitor")
+        parser.add_argument("--ckpt_path", type=Optional[str], default=None,
+                            help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.trainer.precision is None:
+            config.trainer.precision = default_precision(config.trainer.accelerator)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Parse the command line, check the data, and fit."""
+    cli = CifarCLI(
+        CifarClassifier,
+        CifarDataModule,
+        run=False,
+        args=args,
+        seed_everything_default=0,
+        trainer_defaults={
+            "max_epochs": 200,
+            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+        },
+        save_config_kwargs={"overwrite": True},
+    )
+    # Check (download) the data before fit() launches DDP workers, so that a missing dataset is
+    # one clear message from one process instead of a traceback per rank. Other local ranks
+    # (torchrun/SLURM start them all) rely on local rank 0, as Lightning's prepare_data does.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        cli.datamodule.prepare_data()
+    ckpt_path = cli.config.get("ckpt_path")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DatasetUnavailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,177 @@
+"""One cell of the stress sweep: train ``CifarClassifier`` once and return its record.
+
+Imported by ``stress.py`` only when there are cells to run (torch and Lightning load here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import shutil
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from callbacks import GradientHomogeneityMonitor
+from cifar100 import CifarClassifier, ValidateAtEnd, default_precision
+from cifar_data import CifarDataModule, DatasetUnavailableError
+
+__all__ = ["DivergenceStop", "MemoryLogger", "check_data", "run_cell"]
+
+_MAX_CURVE_POINTS = 400
+
+
+class MemoryLogger(Logger):
+    """Keeps every logged metric in memory (``history[name] = [(step, value), ...]``).
+
+    Sits next to the TensorBoard logger so the sweep reads exactly what was logged, including
+    what callbacks such as ``GradientHomogeneityMonitor`` send to ``trainer.loggers``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    @property
+    @override
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    @override
+    def version(self) -> int:
+        return 0
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        for key, value in metrics.items():
+            self.history[key].append((int(step or 0), float(value)))
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class DivergenceStop(Callback):
+    """Record every training loss; on the first non-finite one, note the step and stop the run.
+
+    ``divergence_step`` is the 1-based optimizer step whose loss was NaN/Inf (``None`` if none).
+    Stopping lets Lightning validate once more (the collapsed model's top-1) and end cleanly.
+    """
+
+    def __init__(self) -> None:
+        self.divergence_step: Optional[int] = None
+        self.losses: list[tuple[int, float]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else math.nan
+        self.losses.append((trainer.global_step, value))
+        bad = trainer.strategy.reduce_boolean_decision(not math.isfinite(value), all=False)
+        if bad and self.divergence_step is None:
+            self.divergence_step = trainer.global_step
+            trainer.should_stop = True
+
+
+def _datamodule(args: argparse.Namespace, batch_size: int) -> CifarDataModule:
+    return CifarDataModule(
+        dataset=args.dataset, root=args.root, batch_size=batch_size, num_workers=args.num_workers,
+        synthetic_train_size=args.synthetic_train_size, synthetic_val_size=args.synthetic_val_size,
+    )
+
+
+def check_data(args: argparse.Namespace) -> None:
+    """Download/check the dataset once before the grid; exit with the clear message if missing."""
+    try:
+        _datamodule(args, 1).prepare_data()
+    except DatasetUnavailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _thin(points: list[tuple[int, float]], limit: int = _MAX_CURVE_POINTS) -> list[list[float]]:
+    stride = max(1, math.ceil(len(points) / limit))
+    kept = points[::stride]
+    if points and kept[-1] != points[-1]:
+        kept.append(points[-1])  # keep the last point: where the run ended (or diverged)
+    return [[s, v] for s, v in kept]
+
+
+def _finite_mean(points: list[tuple[int, float]]) -> Optional[float]:
+    values = [v for _, v in points if math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: float, batch_size: int,
+             seed: int) -> dict[str, Any]:
+    """Train one cell and return its record (the row of ``results.csv`` plus curves)."""
+    for noisy in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per cell, not a page
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    pl.seed_everything(seed, workers=True, verbose=False)
+
+    model = CifarClassifier(arch=args.arch, norm=norm, lr=lr, weight_decay=args.weight_decay,
+                            warmup_frac=args.warmup_frac, schedule=args.schedule)
+    dm = _datamodule(args, batch_size)
+    tb_dir = out / "tb" / name
+    if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
+        shutil.rmtree(tb_dir)
+    tb = TensorBoardLogger(save_dir=str(out / "tb"), name=name, version="", default_hp_metric=False)
+    memory = MemoryLogger()
+    divergence = DivergenceStop()
+    limit_val = args.limit_val_batches
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        precision=args.precision or default_precision(args.accelerator),
+        max_epochs=args.epochs if args.epochs is not None else -1,
+        max_steps=args.max_steps if args.max_steps is not None else -1,
+        logger=[tb, memory],
+        callbacks=[GradientHomogeneityMonitor(log_every_n_steps=args.log_every, on_nonfinite="ignore"),
+                   divergence, ValidateAtEnd()],
+        log_every_n_steps=args.log_every,
+        val_check_interval=args.val_every,
+        check_val_every_n_epoch=None if args.val_every else 1,
+        limit_val_batches=int(limit_val) if limit_val > 1 else limit_val,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=args.progress,
+        default_root_dir=str(out),
+    )
+    trainer.fit(model, datamodule=dm)
+
+    val = memory.history.get("val/top1", [])
+    tops = [v for _, v in val]
+    losses = divergence.losses
+    final_loss = losses[-1][1] if losses else math.nan
+    return {
+        "cell": name, "norm": norm, "lr": lr, "batch_size": batch_size, "seed": seed,
+        "arch": args.arch, "dataset": args.dataset,
+        "steps": trainer.global_step,
+        "best_top1": max((t for t in tops if math.isfinite(t)), default=math.nan),
+        "final_top1": tops[-1] if tops else math.nan,
+        "final_val_loss": (memory.history.get("val/loss") or [(0, math.nan)])[-1][1],
+        "final_train_loss": final_loss,
+        "diverged": divergence.divergence_step is not None,
+        "divergence_step": divergence.divergence_step,
+        "mean_grad_cv": _finite_mean(memory.history.get("phasor/all/grad_cv", [])),
+        "mean_starved_frac": _finite_mean(memory.history.get("phasor/all/starved_frac", [])),
+        "tb_run": str(Path("tb") / name),
+        "curves": {"train_loss": _thin(losses), "val_top1": [[s, v] for s, v in val]},
+    }
