@@ -12,7 +12,8 @@ How a logging step works:
 1. ``on_train_batch_start``: a forward pre-hook on each norm layer hands the layer an alias
    of its input (``x.view_as(x)``) and registers a tensor hook on it, so the hook sees the
    gradient flowing *through this layer* (not the residual branch that shares ``x``). No
-   full backward hooks: those break on in-place activations.
+   full backward hooks: those break on in-place activations. A trainable norm whose input
+   needs no gradient (the raw input) gets a detached copy that does.
 2. During backward each tensor hook reduces ``(x, dL/dx)`` to per-phasor sums, added into one
    flat float64 buffer on the device (micro-batches of gradient accumulation add up).
 3. ``on_before_optimizer_step``: the GradScaler's scale in force is read (Lightning unscales
@@ -28,8 +29,6 @@ How a logging step works:
 from __future__ import annotations
 
 import re
-import warnings
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -41,41 +40,16 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from callbacks.tb_layout import metric_tag, write_layout
+from callbacks.homogeneity_report import MonitoredLayer, step_report
+from callbacks.tb_layout import metric_tag, tensorboard_experiment, write_layout
 from lightning_mrs.norm_registry import NormSpec, iter_norm_layers
-from lightning_mrs.stats import (
-    ALL_STAT_NAMES,
-    STAT_NAMES,
-    WEIGHT_STAT_NAMES,
-    aggregate_stats,
-    layer_stats,
-    phasor_sums,
-    slot_size,
-    weight_grad_stats,
-)
+from lightning_mrs.stats import phasor_sums, slot_size, weight_grad_stats
 
 __all__ = ["GradientHomogeneityMonitor"]
 
 _ON_NONFINITE = ("warn", "raise", "ignore")
 # norm kinds whose input still has one channel dim to pair, although no swap replaces them
 _MONITORABLE_UNSUPPORTED = ("evo", "frn", "grn", "lrn")
-_LOGGED_STATS = tuple(s for s in STAT_NAMES if s != "count")
-
-
-@dataclass
-class _Layer:
-    name: str
-    module: nn.Module
-    spec: NormSpec
-    offset: int  # start of this layer's slot in the flat buffer
-
-    @property
-    def num_phasors(self) -> int:
-        return self.spec.num_channels // 2
-
-    @property
-    def size(self) -> int:
-        return slot_size(self.num_phasors)
 
 
 def _skip_reason(spec: NormSpec) -> Optional[str]:
@@ -142,7 +116,9 @@ class GradientHomogeneityMonitor(Callback):
                 "GradientHomogeneityMonitor: log_every_n_steps must be None (use the Trainer's) or an "
                 f"int >= 1, got {log_every_n_steps!r}."
             )
-        if not 0.0 < float(starved_threshold) < 1.0:
+        if isinstance(starved_threshold, bool) or not isinstance(starved_threshold, (int, float)) or not (
+            0.0 < starved_threshold < 1.0
+        ):
             raise ValueError(
                 f"GradientHomogeneityMonitor: starved_threshold must lie in (0, 1) (a fraction of the "
                 f"median G_i), got {starved_threshold!r}."
@@ -175,7 +151,7 @@ class GradientHomogeneityMonitor(Callback):
         self._overflow_skipped_total = 0
         self._nonfinite_total = 0
         # per-capture state
-        self._layers: list[_Layer] = []
+        self._layers: list[MonitoredLayer] = []
         self._handles: list[RemovableHandle] = []
         self._buffer: Optional[Tensor] = None
         self._capture_step: Optional[int] = None
@@ -205,7 +181,7 @@ class GradientHomogeneityMonitor(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # public on MixedPrecision
         return scaler if scaler is not None and scaler.is_enabled() else None
 
-    def _discover(self, pl_module: pl.LightningModule) -> list[_Layer]:
+    def _discover(self, pl_module: pl.LightningModule) -> list[MonitoredLayer]:
         layers, skipped, offset = [], [], 0
         for name, module, spec in iter_norm_layers(pl_module):
             if self._include is not None and not self._include.search(name):
@@ -214,7 +190,7 @@ class GradientHomogeneityMonitor(Callback):
             if reason is not None:
                 skipped.append(f"{name or 'root'} ({type(module).__name__}: {reason})")
                 continue
-            layers.append(_Layer(name, module, spec, offset))
+            layers.append(MonitoredLayer(name, module, spec, offset))
             offset += slot_size(spec.num_channels // 2)
         if skipped:
             self._warn_once(
@@ -244,11 +220,16 @@ class GradientHomogeneityMonitor(Callback):
         self._scale = None
         self._weight_rows = {}
 
-    def _pre_hook(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+    def _pre_hook(self, layer: MonitoredLayer, module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
         if not args or not torch.is_grad_enabled():
             return None
         x = args[0]
-        if not isinstance(x, Tensor) or not x.requires_grad or not x.is_floating_point():
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return None
+        # a trainable norm on a tensor nothing else differentiates (e.g. the raw input) still
+        # has an input gradient: ask autograd for it; a frozen one is not worth a backward
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if not x.requires_grad and not trainable:
             return None
         cd = layer.spec.channel_dim
         if x.ndim == 0 or not -x.ndim <= cd < x.ndim or x.shape[cd] != layer.spec.num_channels:
@@ -259,11 +240,12 @@ class GradientHomogeneityMonitor(Callback):
                 "Register its layout with lightning_mrs.register_norm(...) if the registry guessed wrong.",
             )
             return None
-        alias = x.view_as(x)  # a node of its own: its gradient is the one through this layer only
+        # a node of its own: its gradient is the one through this layer only
+        alias = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
         alias.register_hook(partial(self._grad_hook, layer, x.detach()))
         return (alias, *args[1:])
 
-    def _grad_hook(self, layer: _Layer, x: Tensor, grad: Tensor) -> None:
+    def _grad_hook(self, layer: MonitoredLayer, x: Tensor, grad: Tensor) -> None:
         if self._buffer is None:  # capture torn down before backward reached this layer
             return
         try:
@@ -349,80 +331,39 @@ class GradientHomogeneityMonitor(Callback):
         if scaler is not None and self._scale is not None:
             # GradScaler.update() only lowers the scale when it found Inf/NaN and skipped the step
             skipped = float(scaler.get_scale()) < self._scale
-        divisor = (self._scale or 1.0) * world
-        rows, g_rms = [], []
-        for layer in layers:
-            stats, g = layer_stats(
-                buffer[layer.offset : layer.offset + layer.size],
-                layer.num_phasors,
-                grad_divisor=divisor,
-                starved_threshold=self.starved_threshold,
-            )
-            rows.append(stats)
-            g_rms.append(g)
-        table = torch.stack(rows)  # (L, len(STAT_NAMES))
-        nph = torch.tensor([layer.num_phasors for layer in layers])
-        agg = aggregate_stats(table, nph)  # (len(ALL_STAT_NAMES),)
-        weights = [self._weight_rows.get(layer.name) for layer in layers]
-        w_nonfinite = torch.stack([w[1] if w is not None else agg.new_zeros(()) for w in weights])  # (L,)
-        w_stats = torch.stack([w[0] if w is not None else agg.new_zeros(2) for w in weights])  # (L, 2)
-        # the single host copy of the step
-        host = torch.cat([table.flatten(), agg, w_stats.flatten().to(agg), w_nonfinite.to(agg)]).cpu().tolist()
-        n_l, n_s = len(layers), len(STAT_NAMES)
-        per_layer = [dict(zip(STAT_NAMES, host[i * n_s : (i + 1) * n_s])) for i in range(n_l)]
-        pos = n_l * n_s
-        all_stats = dict(zip(ALL_STAT_NAMES, host[pos : pos + len(ALL_STAT_NAMES)]))
-        pos += len(ALL_STAT_NAMES)
-        w_host = [host[pos + 2 * i : pos + 2 * i + 2] for i in range(n_l)]
-        w_nf = host[pos + 2 * n_l :]
-        for i in range(n_l):
-            per_layer[i]["nonfinite"] += w_nf[i]
-        all_stats["nonfinite"] += sum(w_nf)
-        nonfinite = int(all_stats["nonfinite"])
-        self._nonfinite_total += nonfinite
+        report = step_report(
+            layers,
+            buffer,
+            divisor=(self._scale or 1.0) * world,
+            starved_threshold=self.starved_threshold,
+            weight_rows=self._weight_rows,
+            skipped=skipped,
+            scale=self._scale,
+        )
+        self._nonfinite_total += report.nonfinite
         self._overflow_skipped_total += int(skipped)
-
-        metrics: dict[str, float] = {}
-        for layer, stats, w, w_vals in zip(layers, per_layer, weights, w_host):
-            if stats["count"] <= 0:
-                continue  # no gradient reached this layer on this step
-            if skipped:
-                metrics[metric_tag(layer.name, "nonfinite")] = stats["nonfinite"]
-                continue
-            metrics.update({metric_tag(layer.name, s): stats[s] for s in _LOGGED_STATS})
-            if w is not None:
-                metrics.update({metric_tag(layer.name, s): v for s, v in zip(WEIGHT_STAT_NAMES, w_vals)})
-        if all_stats["layers"] > 0:
-            if skipped:
-                metrics[metric_tag("all", "nonfinite")] = all_stats["nonfinite"]
-            else:
-                metrics.update({metric_tag("all", s): v for s, v in all_stats.items()})
-        metrics[metric_tag("all", "overflow_skipped")] = float(skipped)
-        if self._scale is not None:
-            metrics[metric_tag("all", "loss_scale")] = self._scale
-
         if trainer.is_global_zero:
-            self._log(trainer, metrics, step, layers, g_rms, skipped)
+            self._log(trainer, report.metrics, step, layers, report.g_rms, skipped)
         self._n_logs += 1
 
-        if nonfinite and not skipped and self.on_nonfinite != "ignore":
-            bad = [f"{layer.name or 'root'}: {int(s['nonfinite'])}" for layer, s in zip(layers, per_layer) if s["nonfinite"]]
+        if report.nonfinite and not skipped and self.on_nonfinite != "ignore":
+            bad = [f"{name or 'root'}: {n}" for name, n in report.nonfinite_by_layer.items()]
             message = (
-                f"GradientHomogeneityMonitor: {nonfinite} NaN/Inf gradient entries at step {step} in "
+                f"GradientHomogeneityMonitor: {report.nonfinite} NaN/Inf gradient entries at step {step} in "
                 f"{len(bad)} norm layer(s) ({', '.join(bad[:8])}{', ...' if len(bad) > 8 else ''}). They are "
                 "excluded from the statistics; lower the learning rate, clip gradients, or use "
                 "on_nonfinite='ignore' to silence this."
             )
             if self.on_nonfinite == "raise":
                 raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            rank_zero_warn(message, category=RuntimeWarning)
 
     def _log(
         self,
         trainer: pl.Trainer,
         metrics: dict[str, float],
         step: int,
-        layers: list[_Layer],
+        layers: list[MonitoredLayer],
         g_rms: list[Tensor],
         skipped: bool,
     ) -> None:
@@ -431,7 +372,7 @@ class GradientHomogeneityMonitor(Callback):
         )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-            experiment = _tensorboard_experiment(logger)
+            experiment = tensorboard_experiment(logger)
             if experiment is None:
                 continue
             if self.dashboard and not self._layout_written:
@@ -442,7 +383,7 @@ class GradientHomogeneityMonitor(Callback):
                     values = values[torch.isfinite(values)]  # never feed TensorBoard a NaN
                     if values.numel():
                         experiment.add_histogram(metric_tag(layer.name, "G"), values, step)
-        if any(_tensorboard_experiment(logger) is not None for logger in trainer.loggers):
+        if any(tensorboard_experiment(logger) is not None for logger in trainer.loggers):
             self._layout_written = True
 
     # ------------------------------------------------------------------ state
@@ -470,11 +411,3 @@ class GradientHomogeneityMonitor(Callback):
         """NaN/Inf gradient entries counted so far, over all logging steps."""
         return self._nonfinite_total
 
-
-def _tensorboard_experiment(logger: Any) -> Any:
-    """The ``SummaryWriter`` of a TensorBoard logger, ``None`` for other loggers."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    if not isinstance(logger, TensorBoardLogger):
-        return None
-    return logger.experiment

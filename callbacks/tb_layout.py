@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["CATEGORY", "homogeneity_layout", "metric_tag", "write_layout"]
+__all__ = ["CATEGORY", "homogeneity_layout", "metric_tag", "tensorboard_experiment", "write_layout"]
 
 CATEGORY = "Phasor homogeneity"
 PREFIX = "phasor"
@@ -62,3 +62,12 @@ def write_layout(experiment: Any, layers: Sequence[str]) -> bool:
         return False
     add(homogeneity_layout(layers))
     return True
+
+
+def tensorboard_experiment(logger: Any) -> Any:
+    """The ``SummaryWriter`` of a Lightning ``TensorBoardLogger``, ``None`` for other loggers."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    if not isinstance(logger, TensorBoardLogger):
+        return None
+    return logger.experiment

@@ -1,8 +1,8 @@
 """The fused MRSNorm: a custom autograd Function and the choice of kernel behind it.
 
 Eager MRSNorm saves every intermediate (``x^2``, ``r``, ``S``, ``x/S``...) for the backward
-and runs one kernel per op. :class:`MRSNormFunction` saves only the input and the per-group
-``1/S`` and calls one fused forward and one fused backward (PAPER.md, "Backward"), in one of
+and runs one kernel per op. :class:`MRSNormFunction` saves only the input and one scale per
+group (``P * S``, from which the backward takes ``1/S``) and calls one fused forward and one fused backward (PAPER.md, "Backward"), in one of
 three implementations:
 
 * ``"inductor"``: the bodies of :mod:`lightning_mrs.kernels_inductor` compiled by Inductor
@@ -101,64 +101,64 @@ def _weight2(weight: Optional[Tensor]) -> Optional[Tensor]:
     return None if weight is None else weight.repeat_interleave(2)
 
 
-def _run_forward(impl: str, can: Canonical, w2: Optional[Tensor], eps: float, spatial: bool):
+def _run_forward(impl: str, x3: Tensor, last: bool, w2: Optional[Tensor], eps: float, spatial: bool):
     if impl == "triton":
         from lightning_mrs import kernels_triton as kt
 
-        x3 = can.x3.transpose(1, 2) if can.last else can.x3  # (A, C, L), any strides
-        y3, inv_s = kt.forward(x3, w2, eps)
-        return (y3.transpose(1, 2) if can.last else y3), inv_s
+        xt = x3.transpose(1, 2) if last else x3  # (A, C, L), any strides
+        y3, r_sum = kt.forward(xt, w2, eps)
+        return (y3.transpose(1, 2) if last else y3), r_sum
     use = impl == "inductor"
-    if can.last:
-        return ki.run("fwd_last", can.x3, w2, _even_mask(can.x3), eps, spatial, use_compiled=use)
-    return ki.run("fwd_first", can.x3, w2, eps, spatial, use_compiled=use)
+    if last:
+        return ki.run("fwd_last", x3, w2, _even_mask(x3), eps, spatial, use_compiled=use)
+    return ki.run("fwd_first", x3, w2, eps, spatial, use_compiled=use)
 
 
-def _run_backward(impl: str, can: Canonical, g3: Tensor, w2, inv_s: Tensor, eps: float, spatial: bool):
+def _run_backward(impl: str, x3: Tensor, last: bool, g3: Tensor, w2, r_sum: Tensor, eps: float, spatial: bool):
     if impl == "triton":
         from lightning_mrs import kernels_triton as kt
 
-        t = (lambda v: v.transpose(1, 2)) if can.last else (lambda v: v)
-        dx3, dw = kt.backward(t(can.x3), w2, inv_s, t(g3), eps)
+        t = (lambda v: v.transpose(1, 2)) if last else (lambda v: v)
+        dx3, dw = kt.backward(t(x3), w2, r_sum, t(g3), eps)
         return t(dx3), dw
     use = impl == "inductor"
-    if can.last:
-        m = _even_mask(can.x3)
-        return ki.run("bwd_last", can.x3, w2, m, inv_s, g3, eps, spatial, use_compiled=use)
-    return ki.run("bwd_first", can.x3, w2, inv_s, g3, eps, spatial, use_compiled=use)
+    if last:
+        m = _even_mask(x3)
+        return ki.run("bwd_last", x3, w2, m, r_sum, g3, eps, spatial, use_compiled=use)
+    return ki.run("bwd_first", x3, w2, r_sum, g3, eps, spatial, use_compiled=use)
 
 
 class MRSNormFunction(torch.autograd.Function):
-    """MRSNorm with a hand-written backward that needs only ``x`` and ``1/S``.
+    """MRSNorm of a canonical 3-d view, with a backward that needs only ``x3`` and ``P*S``.
 
-    ``apply(x, weight, eps, channel_dim, spatial, impl)`` with ``channel_dim`` already
-    normalised (``>= 0``) and ``impl`` one of ``"inductor"``, ``"triton"``, ``"function"``.
-    Double backward (``create_graph=True``) recomputes the forward with differentiable torch
-    ops, so gradgradcheck and gradient penalties work too.
+    ``apply(x3, weight, eps, last, spatial, impl)``: ``x3`` is ``(A, L, C)`` if ``last`` else
+    ``(A, C, L)`` (see :func:`to_canonical`) and ``impl`` one of ``"inductor"``,
+    ``"triton"``, ``"function"``. The views to and from the caller's layout are taken outside
+    the Function, so its output is no view and in-place ops on it (``relu_``) work. Double
+    backward (``create_graph=True``) recomputes the forward with differentiable torch ops,
+    so gradgradcheck and gradient penalties work too.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str):
-        can = to_canonical(x, cd, spatial)
-        y3, inv_s = _run_forward(impl, can, _weight2(weight), eps, spatial)
-        ctx.save_for_backward(x, weight, inv_s)  # inv_s: one value per group
-        ctx.cfg = (eps, cd, spatial, impl)
-        return _from_canonical(y3, can, cd)
+    def forward(ctx, x3: Tensor, weight: Optional[Tensor], eps: float, last: bool, spatial: bool, impl: str):
+        y3, r_sum = _run_forward(impl, x3, last, _weight2(weight), eps, spatial)
+        ctx.save_for_backward(x3, weight, r_sum)  # r_sum = P * S: one value per group
+        ctx.cfg = (eps, last, spatial, impl)
+        return y3
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        x, weight, inv_s = ctx.saved_tensors
-        eps, cd, spatial, impl = ctx.cfg
+    def backward(ctx, g3: Tensor):
+        x3, weight, r_sum = ctx.saved_tensors
+        eps, last, spatial, impl = ctx.cfg
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
-            dx, dw = _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w)
+            cd = 2 if last else 1
+            dx, dw = _differentiable_grads(x3, weight, g3, eps, cd, spatial, need_x, need_w)
             return dx, dw, None, None, None, None
-        can = to_canonical(x, cd, spatial)
-        g3 = to_canonical(_like(g, x), cd, spatial).x3
-        dx3, dw = _run_backward(impl, can, g3, _weight2(weight), inv_s, eps, spatial)
-        dx = _from_canonical(dx3, can, cd) if need_x else None
+        g3 = _like(g3, x3)
+        dx3, dw = _run_backward(impl, x3, last, g3, _weight2(weight), r_sum, eps, spatial)
         dw = dw.to(weight.dtype) if need_w else None
-        return dx, dw, None, None, None, None
+        return (dx3 if need_x else None), dw, None, None, None, None
 
 
 def _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w):
@@ -173,7 +173,7 @@ def _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w):
 
 
 def _triton_ok(x: Tensor, spatial: bool) -> bool:
-    if not x.is_cuda or spatial:
+    if not x.is_cuda or spatial or x.dtype not in _COMPILE_DTYPES:  # the kernels use fp32
         return False
     from lightning_mrs import kernels_triton as kt
 
@@ -195,8 +195,9 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
     if backend == "triton":
         if not _triton_ok(x, spatial):
             raise ValueError(
-                "mrs_norm(backend='triton') needs a CUDA tensor, the triton package and "
-                "spatial=False; use backend='auto' to pick the best available kernel."
+                "mrs_norm(backend='triton') needs a float32/float16/bfloat16 CUDA tensor, the "
+                "triton package and spatial=False; use backend='auto' to pick the best "
+                "available kernel."
             )
         return "triton"
     if backend in ("inductor", "function"):
@@ -211,5 +212,7 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
 def fused_mrs_norm(
     x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str
 ) -> Tensor:
-    """Apply :class:`MRSNormFunction` (``impl`` from :func:`resolve_backend`, not "eager")."""
-    return MRSNormFunction.apply(x, weight, eps, cd, spatial, impl)
+    """MRSNorm through :class:`MRSNormFunction` (``impl`` from :func:`resolve_backend`)."""
+    can = to_canonical(x, cd, spatial)
+    y3 = MRSNormFunction.apply(can.x3, weight, eps, can.last, spatial, impl)
+    return _from_canonical(y3, can, cd)

@@ -55,6 +55,19 @@ def _col_sum(t: Tensor) -> Tensor:
     return head + t[main:].sum(0)  # (C,)
 
 
+def _sample_sums(gf, xf, w2, inv_s, pos_dim: int):
+    """Per-sample ``c = sum w g x`` and ``dw2 = sum_a (1/S_a) sum g x``, from one pass.
+
+    Like GroupNorm's backward: per (sample, channel) sums ``gx = sum_l g x`` (one read of
+    ``g`` and ``x``, sample by sample, so the dx pass that follows finds them in cache),
+    from which both reductions are tiny.
+    """
+    gx = (gf * xf).sum(dim=pos_dim)  # (A, C)
+    c = (gx * w2.to(gx.dtype) if w2 is not None else gx).sum(1)  # (A,)
+    dw2 = (gx * inv_s.view(-1, 1)).sum(0) if w2 is not None else None  # (C,)
+    return c.view(-1, 1, 1), dw2
+
+
 # --- channels innermost: x3 is (A, L, C) with stride 1 along C (tokens, NHWC) -------------
 # The partner of channel c is x[c+1] (even c) or x[c-1] (odd c): two contiguous shifted
 # loads, where the strided even/odd views would make Inductor emit scalar code.
@@ -83,13 +96,14 @@ def _bwd_last(x3, w2, even_mask, r_sum, g3, eps: float, spatial: bool):
     n_pairs = (x3.shape[2] // 2) * (x3.shape[1] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1|L, 1)
     # c = sum_k w g x per group; dS/dx_k = x_k / (P r_k), so dx = (w g - c x / (P S r)) / S
-    c = (gw * xf).sum(dim=dims, keepdim=True)
+    if spatial:
+        c, dw2 = _sample_sums(gf, xf, w2, inv_s, pos_dim=1)
+    else:
+        c = (gw * xf).sum(dim=dims, keepdim=True)  # (A, L, 1)
+        dw2 = _col_sum((gf * xf * inv_s).flatten(0, 1)) if w2 is not None else None  # (C,)
     k = c * inv_s * inv_s / n_pairs
     dx = gw * inv_s - k * (xf * rinv)  # (A, L, C)
-    dw = None
-    if w2 is not None:
-        dw2 = _col_sum((gf * xf * inv_s).flatten(0, 1))  # (C,)
-        dw = dw2.view(-1, 2).sum(1).to(w2.dtype)  # (P,)
+    dw = None if w2 is None else dw2.view(-1, 2).sum(1)  # (P,)
     return dx.to(x3.dtype), dw
 
 
@@ -117,13 +131,14 @@ def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
     dims = (1, 2) if spatial else (1,)
     n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1, L|1)
-    c = (gw * xf).sum(dim=dims, keepdim=True)
+    if spatial:
+        c, dw2 = _sample_sums(gf, xf, w2, inv_s, pos_dim=2)
+    else:
+        c = (gw * xf).sum(dim=dims, keepdim=True)  # (A, 1, L)
+        dw2 = (gf * xf * inv_s).sum(dim=(0, 2)) if w2 is not None else None  # (C,)
     k = c * inv_s * inv_s / n_pairs
     dx = gw * inv_s - k * (xf * rinv2)  # (A, C, L)
-    dw = None
-    if w2 is not None:
-        dw2 = (gf * xf * inv_s).sum(dim=(0, 2))  # (C,)
-        dw = dw2.view(-1, 2).sum(1).to(w2.dtype)  # (P,)
+    dw = None if w2 is None else dw2.view(-1, 2).sum(1)  # (P,)
     return dx.to(x3.dtype), dw
 
 

@@ -77,8 +77,13 @@ class SwapReport:
         if self.aliases:
             lines.append(f"  ({len(self.aliases)} extra references to shared norms kept shared)")
         if skipped:
-            lines.append("skipped:")
-            lines += [f"  {name or '<root>'}: {reason}" for name, reason in skipped.items()]
+            by_reason: dict[str, list[str]] = {}
+            for name, reason in skipped.items():
+                by_reason.setdefault(reason, []).append(name or "<root>")
+            lines.append(f"skipped ({len(skipped)}):")
+            for reason, names in by_reason.items():
+                shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
+                lines.append(f"  {shown}: {reason}")
         return "\n".join(lines)
 
 

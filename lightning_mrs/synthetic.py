@@ -116,7 +116,7 @@ class SyntheticCIFAR100(Dataset):
         brightness = 0.5 + 0.2 * (torch.rand(3, 1, 1, generator=g) - 0.5)  # (3, 1, 1) per channel
         noise = self.noise * torch.randn(image.shape, generator=g)  # (3, H, W)
         image = brightness + contrast * image + noise
-        return (image.clamp(0, 1) * 255).round().to(torch.uint8), label
+        return (image.clamp(0, 1) * 255 + 0.5).to(torch.uint8), label  # +0.5 then truncate: rounds
 
 
 def make_prototypes(num_classes: int, image_size: int, seed: int) -> torch.Tensor:

@@ -64,9 +64,9 @@ class Poison(torch.autograd.Function):
 
 
 def conv_net() -> nn.Sequential:
-    """MRSNorm2d, BatchNorm2d (an in-place ReLU after it) and LayerNorm."""
+    """MRSNorm2d, BatchNorm2d (in-place ReLUs after both) and LayerNorm."""
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8), nn.ReLU(),
+        nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8), nn.ReLU(inplace=True),
         nn.Conv2d(8, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(inplace=True),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 10), nn.LayerNorm(10), nn.Linear(10, 5),
     )
@@ -217,6 +217,33 @@ def test_gradient_through_the_layer_only() -> None:
         assert value(rec, "net.norm", stat) == pytest.approx(ref[stat], rel=1e-4), stat
 
 
+def test_norm_on_the_raw_input_is_monitored() -> None:
+    """The input of a first-layer norm needs no gradient for training; the monitor still gets it."""
+
+    def input_norm_net() -> nn.Module:
+        return nn.Sequential(
+            nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5)
+        )
+
+    class Pad(nn.Module):  # 3 data channels + a constant one: the norm sees an even count
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = input_norm_net()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(torch.cat([x, torch.ones_like(x[:, :1])], dim=1))
+
+    rec = fit(Pad, steps=1)
+    torch.manual_seed(0)
+    ref_net = Pad()
+    x, y = data()[:8]
+    x4 = torch.cat([x, torch.ones_like(x[:, :1])], dim=1).requires_grad_()
+    nn.functional.cross_entropy(ref_net.body(x4), y).backward()
+    ref = reference_figures(x4.detach(), x4.grad, 1)
+    for stat in ("grad_mean", "grad_cv", "radial_frac", "act_outlier_ratio"):
+        assert value(rec, "net.body.0", stat) == pytest.approx(ref[stat], rel=1e-4), stat
+
+
 def test_hooks_only_on_logging_steps() -> None:
     seen: dict[int, tuple[int, int]] = {}
 
@@ -257,6 +284,8 @@ def test_mixed_precision_matches_fp32(precision: str) -> None:
                 assert value(mixed, layer, stat, step) == pytest.approx(value(fp32, layer, stat, step), rel=rtol)
             assert value(mixed, layer, "grad_cv", step) == pytest.approx(value(fp32, layer, "grad_cv", step), abs=0.02)
         assert mixed.history[f"phasor/{layer}/nonfinite"] == {0: 0.0, 1: 0.0, 2: 0.0}
+    for step in range(3):  # the MRS weight gradient too (Lightning unscales it before the hook)
+        assert value(mixed, "net.1", "wgrad_mean", step) == pytest.approx(value(fp32, "net.1", "wgrad_mean", step), rel=0.05)
 
 
 def test_overflow_skipped_step_is_reported_not_raised() -> None:

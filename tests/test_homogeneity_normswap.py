@@ -41,7 +41,14 @@ def resnet18_cifar() -> nn.Module:
 def timm_convnext() -> nn.Module:
     import timm
 
-    return timm.create_model("convnext_atto", pretrained=False, num_classes=5)  # LayerNorm2d + LayerNorm
+    return timm.create_model("convnext_atto", pretrained=False, num_classes=5)  # timm LayerNorm2d
+
+
+def timm_vit() -> nn.Module:
+    import timm
+
+    # channels-last tokens (timm LayerNorm); 64 tokens of 192 channels at 32x32
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=5)
 
 
 class Module(pl.LightningModule):
@@ -117,7 +124,8 @@ def test_normswap_fp16_gradscaler_grad_mean_matches_fp32(tmp_path: Path) -> None
 @pytest.mark.slow
 @pytest.mark.parametrize("net_fn,swap,kinds", [
     (resnet18_cifar, True, {"mrs"}), (resnet18_cifar, False, {"batch"}),
-    (timm_convnext, True, {"mrs"}), (timm_convnext, False, {"layer", "layer2d"}),
+    (timm_convnext, True, {"mrs"}), (timm_convnext, False, {"layer2d"}),
+    (timm_vit, True, {"mrs"}), (timm_vit, False, {"layer"}),
 ])
 def test_real_models(tmp_path: Path, net_fn: Callable[[], nn.Module], swap: bool, kinds: set[str]) -> None:
     module, acc = run(tmp_path, net_fn, swap=swap, size=32)
