@@ -119,6 +119,7 @@ class NormSwap(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._unwrap(pl_module)
         report = self.report or SwapReport(self.options["target"])
         done = set(report.converted) | set(report.skipped) | set(report.unchanged)
         left = [
@@ -145,11 +146,28 @@ class NormSwap(Callback):
                 "Create the optimizer in configure_optimizers from self.parameters() so it sees the new weights."
             )
 
-    @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    @staticmethod
+    def _unwrap(pl_module: nn.Module) -> None:
+        # The hook wrappers have served once the stage starts; drop them so the module pickles.
         for hook in ("configure_model", "on_load_checkpoint"):
             if hook in vars(pl_module):
                 delattr(pl_module, hook)  # back to the class's method
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._unwrap(pl_module)
+
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._unwrap(pl_module)
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._unwrap(pl_module)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._unwrap(pl_module)
 
     # ------------------------------------------------------------------ checkpoints
     def spec(self) -> dict[str, Any]:

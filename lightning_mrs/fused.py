@@ -172,12 +172,17 @@ def _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w):
     return (next(it) if need_x else None), (next(it) if need_w else None)
 
 
-def _triton_ok(x: Tensor, spatial: bool) -> bool:
-    if not x.is_cuda or spatial or x.dtype not in _COMPILE_DTYPES:  # the kernels use fp32
+def _triton_ok(x: Tensor, spatial: bool, explicit: bool = False) -> bool:
+    """Triton applies: CUDA (or, when asked for explicitly, ``TRITON_INTERPRET=1`` on the
+    CPU, for tests), float32/16/bf16 (the kernels compute in fp32), one ``S`` per position."""
+    if spatial or x.dtype not in _COMPILE_DTYPES:
+        return False
+    interpret = explicit and os.environ.get("TRITON_INTERPRET") == "1"
+    if not (x.is_cuda or interpret):
         return False
     from lightning_mrs import kernels_triton as kt
 
-    return kt.available()
+    return kt.importable() and (interpret or kt.available())
 
 
 def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
@@ -193,7 +198,7 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
     if spatial and cd not in (1, x.ndim - 1):  # no 3-d view has one group per sample
         return "eager"
     if backend == "triton":
-        if not _triton_ok(x, spatial):
+        if not _triton_ok(x, spatial, explicit=True):
             raise ValueError(
                 "mrs_norm(backend='triton') needs a float32/float16/bfloat16 CUDA tensor, the "
                 "triton package and spatial=False; use backend='auto' to pick the best "

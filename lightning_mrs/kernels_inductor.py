@@ -1,9 +1,10 @@
 """Forward and backward bodies of the fused MRSNorm, compiled by Inductor on first use.
 
 Every layout is first brought to one of two canonical *views* (no copy, see
-:mod:`lightning_mrs.fused`), ``A`` groups (dim 0, dynamic: new batch sizes do not
-recompile) of ``C`` channels at ``L`` positions; one ``S`` per ``(a, l)`` (``spatial=False``)
-or per ``a`` (``spatial=True``):
+:mod:`lightning_mrs.fused`): ``A`` groups of ``C`` channels at ``L`` positions, one ``S`` per
+``(a, l)`` (``spatial=False``) or per ``a`` (``spatial=True``). All sizes are symbolic
+(``dynamic=True``): new batch sizes, widths and resolutions reuse the compiled code (sizes
+0/1 and ``A*L % 8`` in the backward are the only specialisations).
 
 * ``*_last``: ``(A, L, C)`` with the channels contiguous (tokens, NHWC). The partner of a
   channel is read with two shifted contiguous loads (``x[c+1]``/``x[c-1]``) and an even-
@@ -23,6 +24,7 @@ normalisation and stop Inductor from fusing both into one loop over the groups.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Callable, Optional
@@ -172,6 +174,10 @@ _EAGER: dict[str, Callable] = {
 }
 _COMPILED: dict[str, Callable] = {}  # module-level cache: one compiled function per body
 _LOCK = threading.Lock()
+# dynamic=True: every size symbolic, so one graph serves all batch sizes, widths and
+# resolutions (a CNN compiles each body once, not once per layer shape); measured as fast
+# as static sizes here. LIGHTNING_MRS_DYNAMIC=0 specialises on C and L (batch still dynamic).
+_DYNAMIC = os.environ.get("LIGHTNING_MRS_DYNAMIC", "1") != "0"
 _FAILED: list[str] = []  # the first compile error, if any (then everything runs eagerly)
 
 
@@ -198,10 +204,8 @@ def _get(name: str) -> Callable:
         with _LOCK:
             fn = _COMPILED.get(name)
             if fn is None:
-                # dynamic=False keeps C and L static (far better vectorised code); the group
-                # dim A is marked dynamic per call, so new batch sizes do not recompile.
                 fn = torch.compile(
-                    _EAGER[name], fullgraph=True, dynamic=False, recompile_limit=64
+                    _EAGER[name], fullgraph=True, dynamic=_DYNAMIC, recompile_limit=64
                 )
                 _COMPILED[name] = fn
     return fn
@@ -223,7 +227,8 @@ def run(name: str, *args, use_compiled: bool = True):
     """
     if use_compiled and not _FAILED:
         fn = _get(name)
-        _mark(*(a for a in args if isinstance(a, Tensor) and a.ndim == 3))
+        if not _DYNAMIC:
+            _mark(*(a for a in args if isinstance(a, Tensor) and a.ndim == 3))
         try:
             return fn(*args)
         except Exception as err:  # no C++ compiler, unsupported platform, Inductor bug

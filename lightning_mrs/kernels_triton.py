@@ -25,9 +25,14 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
-__all__ = ["available", "forward", "backward"]
+__all__ = ["available", "importable", "forward", "backward"]
 
 _MAX_TILE = 4096  # elements of a (BLOCK_P, BLOCK_L) tile: registers per program
+
+
+def importable() -> bool:
+    """The triton package is installed."""
+    return triton is not None
 
 
 @functools.lru_cache(maxsize=None)

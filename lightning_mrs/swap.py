@@ -39,6 +39,7 @@ class SwapReport:
         aliases: other names of shared norm instances -> their first name.
         options: the options of the swap (with ``converted``, the swap spec a checkpoint
             stores to re-apply it).
+        notes: things a user should know (e.g. hooks on an old layer that did not move).
     """
 
     target: str
@@ -48,6 +49,7 @@ class SwapReport:
     changes: dict[str, tuple[str, str]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def counts(self) -> Counter:
         """``(old class, new label) -> count`` over the converted layers."""
@@ -60,6 +62,7 @@ class SwapReport:
         self.skipped.update(other.skipped)
         self.unchanged = [n for n in dict.fromkeys(self.unchanged + other.unchanged) if n not in self.changes]
         self.aliases.update(other.aliases)
+        self.notes += [n for n in other.notes if n not in self.notes]
         return self
 
     def __str__(self) -> str:
@@ -76,6 +79,7 @@ class SwapReport:
             lines.append(f"  ({len(qk)} of them attention QK-norms: phasor attention)")
         if self.aliases:
             lines.append(f"  ({len(self.aliases)} extra references to shared norms kept shared)")
+        lines += [f"note: {note}" for note in self.notes]
         if skipped:
             by_reason: dict[str, list[str]] = {}
             for name, reason in skipped.items():
@@ -228,6 +232,8 @@ def swap_norms(
                 "be replaced in place; wrap it (nn.Sequential(norm)) or swap its parent module."
             )
         plans[id(module)] = (module, spec, plan)
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            report.notes.append(f"{name}: hooks registered on the old {type(module).__qualname__} were not moved")
         old_by_name[name] = module
         report.converted.append(name)
         for alias in others:

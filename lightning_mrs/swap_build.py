@@ -80,7 +80,7 @@ def _device_dtype(module: nn.Module) -> dict:
     return {}
 
 
-def _per_channel(weight: Tensor, old_kind: str, new: nn.Module) -> Tensor:
+def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
     """The old weight as one value per channel (an MRS weight holds one per phasor)."""
     return weight.repeat_interleave(2) if old_kind == "mrs" else weight
 
@@ -99,7 +99,7 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
     for p in new.parameters():
         p.requires_grad_(trainable)
     if init == "inherit" and weight is not None and getattr(new, "weight", None) is not None:
-        w = _per_channel(weight.detach(), spec.kind, new)  # (C,)
+        w = _per_channel(weight.detach(), spec.kind)  # (C,)
         if isinstance(new, (MRSNorm, MRSNorm2d)):
             # one weight per phasor from its two channels: the mean keeps zero-init zeros zero
             w = w.reshape(-1, 2).mean(dim=1)  # (C/2,)

@@ -33,8 +33,10 @@ from torch.utils.data import Dataset
 
 __all__ = ["SyntheticCIFAR100"]
 
-# Offsets that keep the per-sample random streams of the two splits disjoint.
-_SPLIT_OFFSET = {True: 0, False: 1 << 40}
+# torch's CPU generator keeps only the low 32 bits of a seed: per-sample seeds live in
+# [0, 2**32), the split in the top bit, so every (split, index < 2**31) pair has its own stream.
+_SPLIT_BIT = {True: 0, False: 1 << 31}
+_SEED_MIX = 0x9E3779B1  # odd: seeds shift the streams by a multiplicative-hash offset
 
 
 class SyntheticCIFAR100(Dataset):
@@ -71,8 +73,8 @@ class SyntheticCIFAR100(Dataset):
     ) -> None:
         if size is None:
             size = 50_000 if train else 10_000
-        if size < 1:
-            raise ValueError(f"SyntheticCIFAR100: size must be >= 1, got {size}.")
+        if not 1 <= size <= 1 << 31:
+            raise ValueError(f"SyntheticCIFAR100: size must be in [1, 2**31], got {size}.")
         if num_classes < 2:
             raise ValueError(f"SyntheticCIFAR100: num_classes must be >= 2, got {num_classes}.")
         if image_size < 8:
@@ -101,7 +103,7 @@ class SyntheticCIFAR100(Dataset):
             raise IndexError(f"SyntheticCIFAR100: index {index} out of range for size {self.size}.")
         index %= self.size
         label = index % self.num_classes
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + _SPLIT_OFFSET[self.train] + index)
+        g = torch.Generator().manual_seed((self.seed * _SEED_MIX + _SPLIT_BIT[self.train] + index) % (1 << 32))
         u = torch.rand(8, generator=g)  # the per-sample scalar draws, in [0, 1)
 
         s = self.max_shift

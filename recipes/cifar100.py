@@ -44,7 +44,8 @@ else:
     from .cifar_data import CifarDataModule, DatasetUnavailableError  # noqa: E402
 
 from callbacks import GradientHomogeneityMonitor  # noqa: E402
-from lightning_mrs import swap_norms  # noqa: E402
+from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms  # noqa: E402
+from lightning_mrs.fused import BACKENDS  # noqa: E402
 
 __all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model", "main"]
 
@@ -127,6 +128,9 @@ class CifarClassifier(pl.LightningModule):
         num_classes: classifier outputs.
         cifar_stem: the CIFAR stem for ResNets (3x3 stride-1 conv, no max-pool).
         label_smoothing: cross-entropy label smoothing.
+        mrs_backend: implementation of the MRSNorm layers (``norm=mrs``): ``auto`` (fused
+            kernels where available), ``eager`` (the plain torch formula), or one of
+            :data:`lightning_mrs.fused.BACKENDS`. Same maths; a speed/debugging knob.
 
     Example:
         >>> model = CifarClassifier(arch="timm:test_resnet", norm="mrs")  # doctest: +SKIP
@@ -147,6 +151,7 @@ class CifarClassifier(pl.LightningModule):
         num_classes: int = 100,
         cifar_stem: bool = True,
         label_smoothing: float = 0.0,
+        mrs_backend: str = "auto",
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -155,6 +160,8 @@ class CifarClassifier(pl.LightningModule):
             raise ValueError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
         if not 0.0 <= warmup_frac < 1.0:
             raise ValueError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
+        if mrs_backend not in BACKENDS:
+            raise ValueError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
         if lr <= 0:
             raise ValueError(f"--model.lr must be > 0, got {lr}.")
         self.save_hyperparameters()
@@ -163,6 +170,9 @@ class CifarClassifier(pl.LightningModule):
         if norm != "batch":
             self.swap_report = swap_norms(self.model, target=norm)
             rank_zero_info(str(self.swap_report))
+        for module in self.model.modules():
+            if isinstance(module, (MRSNorm, MRSNorm2d)):
+                module.backend = mrs_backend
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))

@@ -68,6 +68,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="linear warm-up fraction of the steps (0: the stress hits the peak lr at once)")
     p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
     p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--mrs-backend", default="auto", help="MRSNorm implementation (auto, eager, ...): same maths")
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--precision", default=None, help="default: bf16-mixed/16-mixed on GPUs, 32-true on CPU")
     p.add_argument("--val-every", type=int, default=None,
@@ -104,7 +105,7 @@ def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
 def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Everything that defines what a cell computes, except the grid axes."""
     keep = ("dataset", "arch", "epochs", "max_steps", "warmup_frac", "schedule", "weight_decay", "accelerator",
-            "precision", "val_every", "limit_val_batches", "log_every", "synthetic_train_size", "synthetic_val_size")
+            "precision", "mrs_backend", "val_every", "limit_val_batches", "log_every", "synthetic_train_size", "synthetic_val_size")
     settings = {k: getattr(args, k) for k in keep}
     settings.update(optimizer="SGD momentum 0.9 nesterov", augmentation="random crop 32 pad 4 + horizontal flip",
                     devices=1)

@@ -126,7 +126,8 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
     pl.seed_everything(seed, workers=True, verbose=False)
 
     model = CifarClassifier(arch=args.arch, norm=norm, lr=lr, weight_decay=args.weight_decay,
-                            warmup_frac=args.warmup_frac, schedule=args.schedule)
+                            warmup_frac=args.warmup_frac, schedule=args.schedule,
+                            mrs_backend=args.mrs_backend)
     dm = _datamodule(args, batch_size)
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh

@@ -80,6 +80,10 @@ def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tmp_path, net_
     assert not torch.allclose(bn.weight, torch.ones_like(bn.weight))  # inherited ones, then trained
     assert swap.report.converted == ["net.1", "net.5"]
     assert "BatchNorm2d -> MRSNorm2d(spatial=True)" in caplog.text
+    assert "configure_model" not in vars(model) and "on_load_checkpoint" not in vars(model)  # unwrapped
+    import pickle
+
+    pickle.dumps(model)  # nothing local left on the module
 
 
 def test_checkpoint_resume_and_restore(tmp_path):

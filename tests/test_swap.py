@@ -45,22 +45,21 @@ def _randomise(module: nn.Module) -> nn.Module:
 C = 10
 
 
-@pytest.mark.parametrize("shape", [(3, C, 5, 7), (2, C, 9)])
-@pytest.mark.parametrize(
-    "factory,spatial_auto",
-    [
-        (lambda: nn.BatchNorm2d(C), True),
-        (lambda: nn.GroupNorm(5, C), True),
-        (lambda: nn.InstanceNorm2d(C, affine=True), True),
-        (lambda: FrozenBatchNorm2d(C), True),
-        (lambda: tn.LayerNorm2d(C), False),
-        (lambda: tn.RmsNorm2d(C), False),
-    ],
-)
+_CF_SOURCES = [  # (factory, spatial under "auto", input shape): 4-D-only layers get 4-D inputs
+    (lambda: nn.BatchNorm2d(C), True, (3, C, 5, 7)),
+    (lambda: nn.BatchNorm1d(C), True, (2, C, 9)),
+    (lambda: nn.GroupNorm(5, C), True, (3, C, 5, 7)),
+    (lambda: nn.GroupNorm(5, C), True, (2, C, 9)),
+    (lambda: nn.InstanceNorm2d(C, affine=True), True, (3, C, 5, 7)),
+    (lambda: FrozenBatchNorm2d(C), True, (3, C, 5, 7)),
+    (lambda: tn.LayerNorm2d(C), False, (3, C, 5, 7)),
+    (lambda: tn.RmsNorm2d(C), False, (3, C, 5, 7)),
+]
+
+
+@pytest.mark.parametrize("factory,spatial_auto,shape", _CF_SOURCES)
 @pytest.mark.parametrize("spatial", ["auto", True, False])
 def test_channels_first_to_mrs_matches_reference(factory, spatial_auto, spatial, shape):
-    if len(shape) == 3 and isinstance(factory(), (tn.LayerNorm2d, tn.RmsNorm2d, FrozenBatchNorm2d)):
-        pytest.skip("4-D-only source layer")
     old = _randomise(factory()).double()
     model = nn.Sequential(old)
     report = swap_norms(model, "mrs", spatial=spatial)
@@ -215,7 +214,7 @@ def test_strict_raises_before_changing_anything():
     assert list(model) == before
     report = swap_norms(model)
     assert report.converted == ["0"] and set(report.skipped) == {"1", "2"}
-    assert "skipped:" in str(report) and "odd channel count 5" in str(report)
+    assert "skipped (2):" in str(report) and "odd channel count 5" in str(report)
     swap_norms(nn.Sequential(nn.LayerNorm(5)), "rms", strict=True)  # odd is fine for baselines
 
 
@@ -293,3 +292,11 @@ def test_report_summary_counts_by_type():
     text = str(swap_norms(copy.deepcopy(model)))
     assert "3 converted" in text
     assert "BatchNorm2d -> MRSNorm2d(spatial=True)  x2" in text and "LayerNorm -> MRSNorm" in text
+
+
+def test_hooks_on_replaced_layers_are_reported():
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    model[0].register_forward_hook(lambda *a: None)
+    report = swap_norms(model)
+    assert report.notes == ["0: hooks registered on the old BatchNorm2d were not moved"]
+    assert "note: 0: hooks" in str(report)
