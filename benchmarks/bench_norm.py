@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         p.error(f"unknown case(s) {unknown}; choose from {list(all_cases)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
-          f"'min x' = ratio of fastest rounds, vs the first native row of each case")
+          f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
     results = []
     hdr = (f"{'case':20s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
            f"{'min x':>6s} {'saved MiB':>9s} {'mem x':>6s}")

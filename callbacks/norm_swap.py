@@ -96,8 +96,11 @@ class NormSwap(Callback):
         # Lightning calls configure_model after every callback's setup (the swap must follow it)
         # and the module's on_load_checkpoint before loading weights (the spec check must
         # precede the load, or a mismatch surfaces as a bare missing-keys error).
-        if is_overridden("configure_model", pl_module):
-            self._wrap(pl_module, "configure_model", lambda *_: self._swap(pl_module, "after configure_model"), after=True)
+        # LightningModule.setup runs after the callbacks' setup too: models built there are caught.
+        for hook in ("setup", "configure_model"):
+            if is_overridden(hook, pl_module):
+                swap = functools.partial(self._swap, pl_module, f"after {hook}")
+                self._wrap(pl_module, hook, lambda *_, _swap=swap, **__: _swap(), after=True)
         self._wrap(pl_module, "on_load_checkpoint", lambda checkpoint: self._check_checkpoint(checkpoint), after=False)
 
     @staticmethod
@@ -107,12 +110,12 @@ class NormSwap(Callback):
         original = getattr(pl_module, hook)
 
         @functools.wraps(original)
-        def wrapped(*args: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
             if not after:
-                extra(*args)
-            result = original(*args)
+                extra(*args, **kwargs)
+            result = original(*args, **kwargs)
             if after:
-                extra(*args)
+                extra(*args, **kwargs)
             return result
 
         setattr(pl_module, hook, wrapped)
@@ -130,8 +133,8 @@ class NormSwap(Callback):
         if left:
             raise MisconfigurationException(
                 f"NormSwap: norm layers {left[:5]}{'...' if len(left) > 5 else ''} appeared after the swap "
-                "(built in LightningModule.setup?). Build the model in __init__ or configure_model so "
-                "NormSwap can swap it before the optimizer is created."
+                "(built in a hook after setup/configure_model?). Build the model in __init__, setup or "
+                "configure_model so NormSwap can swap it before the optimizer is created."
             )
         owned = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
         modules = dict(pl_module.named_modules())
@@ -149,7 +152,7 @@ class NormSwap(Callback):
     @staticmethod
     def _unwrap(pl_module: nn.Module) -> None:
         # The hook wrappers have served once the stage starts; drop them so the module pickles.
-        for hook in ("configure_model", "on_load_checkpoint"):
+        for hook in ("setup", "configure_model", "on_load_checkpoint"):
             if hook in vars(pl_module):
                 delattr(pl_module, hook)  # back to the class's method
 
@@ -214,7 +217,8 @@ class NormSwap(Callback):
 
         Args:
             model: a freshly built model of the class that was trained (a LightningModule,
-                or a plain module whose ``state_dict`` keys match the checkpoint's).
+                or a plain module whose ``state_dict`` keys match the checkpoint's). Its
+                ``configure_model`` hook, if any, is called first.
             checkpoint_path: a Lightning checkpoint written with ``NormSwap`` in the callbacks.
             map_location: passed to ``torch.load``.
             strict: passed to ``load_state_dict``.
@@ -234,6 +238,9 @@ class NormSwap(Callback):
                 "...) with the training options yourself, then model.load_state_dict(...)."
             )
         names = list(spec["converted"])
+        configure_model = getattr(model, "configure_model", None)
+        if callable(configure_model):
+            configure_model()  # models built there (Lightning asks for it to be idempotent)
         if names:
             report = swap_norms(model, spec["target"], spatial=spec["spatial"], eps=spec["eps"], include=names, init="ones")
             missing = sorted(set(names) - set(report.converted))

@@ -133,7 +133,7 @@ def _figure(records: list[dict[str, Any]], path: Path) -> None:
     lrs = sorted({r["lr"] for r in records})
     fig, (ax_acc, *ax_curves) = plt.subplots(
         1, 1 + len(lrs), figsize=(4.5 + 4 * len(lrs), 4.2), squeeze=True, constrained_layout=True
-    ) if lrs else plt.subplots(1, 1)
+    )
     width = 0.8 / max(1, len(norms))
     for j, norm in enumerate(norms):
         for i, (lr, bs) in enumerate(configs):
@@ -166,7 +166,10 @@ def _figure(records: list[dict[str, Any]], path: Path) -> None:
                     ax.plot(*finite[-1], "x", color="red", ms=8)
         ax.set_title(f"training loss, lr {lr:g}")
         ax.set_xlabel("optimizer step")
-        ax.set_yscale("log")
+        finite = [v for r in records if r["lr"] == lr for _, v in r.get("curves", {}).get("train_loss", [])
+                  if math.isfinite(v) and v > 0]
+        if finite and max(finite) / min(finite) > 20:  # blow-ups: log scale keeps the rest readable
+            ax.set_yscale("log")
         handles = [plt.Line2D([], [], color=NORM_COLOURS.get(n), label=n) for n in norms]
         handles += [plt.Line2D([], [], color="k", ls=styles[i % len(styles)], label=f"bs {b}")
                     for i, b in enumerate(sizes)]

@@ -284,8 +284,9 @@ def test_mixed_precision_matches_fp32(precision: str) -> None:
                 assert value(mixed, layer, stat, step) == pytest.approx(value(fp32, layer, stat, step), rel=rtol)
             assert value(mixed, layer, "grad_cv", step) == pytest.approx(value(fp32, layer, "grad_cv", step), abs=0.02)
         assert mixed.history[f"phasor/{layer}/nonfinite"] == {0: 0.0, 1: 0.0, 2: 0.0}
+    wtol = 0.05 if precision.startswith("16") else 0.15  # a sum with cancellations: bf16 has 8 bits
     for step in range(3):  # the MRS weight gradient too (Lightning unscales it before the hook)
-        assert value(mixed, "net.1", "wgrad_mean", step) == pytest.approx(value(fp32, "net.1", "wgrad_mean", step), rel=0.05)
+        assert value(mixed, "net.1", "wgrad_mean", step) == pytest.approx(value(fp32, "net.1", "wgrad_mean", step), rel=wtol)
 
 
 def test_overflow_skipped_step_is_reported_not_raised() -> None:

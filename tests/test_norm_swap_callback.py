@@ -56,6 +56,17 @@ class LateNet(Net):
             self.net = _backbone()
 
 
+class SetupNet(LateNet):
+    """Builds its backbone in LightningModule.setup (which runs after the callbacks' setup)."""
+
+    def configure_model(self) -> None:  # not used here
+        pass
+
+    def setup(self, stage: str) -> None:
+        if self.net is None:
+            self.net = _backbone()
+
+
 def _trainer(tmp_path, max_steps: int, *callbacks) -> pl.Trainer:
     return pl.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
@@ -67,7 +78,7 @@ def _owned(trainer: pl.Trainer) -> set[int]:
     return {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
 
 
-@pytest.mark.parametrize("net_cls", [Net, LateNet])
+@pytest.mark.parametrize("net_cls", [Net, LateNet, SetupNet])
 def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tmp_path, net_cls, caplog):
     model = net_cls()
     swap = NormSwap()
@@ -150,3 +161,27 @@ def test_options_reach_the_swap(tmp_path):
     _trainer(tmp_path, 1, swap).fit(model, _data())
     assert type(model.net[1]).__name__ == "LayerNorm2d" and type(model.net[5]) is nn.LayerNorm
     assert "net.5" in swap.report.skipped
+
+
+class StaleOptimizerNet(Net):
+    """Captures its parameter list in __init__, before the swap: the new weights are orphans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale = list(self.parameters())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.stale, lr=0.1)
+
+
+def test_weights_outside_the_optimizer_are_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match=r"swapped layers \['net.1', 'net.5'\].*no optimizer holds"):
+        _trainer(tmp_path, 1, NormSwap()).fit(StaleOptimizerNet(), _data())
+
+
+def test_restore_builds_configure_model_models(tmp_path):
+    _trainer(tmp_path, 1, NormSwap(), ModelCheckpoint(dirpath=tmp_path, save_last=True)).fit(LateNet(), _data())
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    restored = NormSwap.restore(LateNet(), tmp_path / "last.ckpt")
+    assert isinstance(restored.net[1], MRSNorm2d)
+    assert all(torch.equal(restored.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())

@@ -116,7 +116,11 @@ def test_cifar_stem_keeps_resolution(arch: str) -> None:
     first = next(m for m in model.conv1.modules() if isinstance(m, nn.Conv2d))
     assert first.stride == (1, 1)
     seen = {}
-    model.layer1.register_forward_hook(lambda m, i, o: seen.setdefault("layer1", o.shape))
+
+    def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["layer1"] = output.shape  # (N, C, H, W)
+
+    model.layer1.register_forward_hook(record)
     with torch.no_grad():
         assert model(torch.randn(2, 3, 32, 32)).shape == (2, 100)
     assert seen["layer1"][-2:] == (32, 32)  # an ImageNet stem would give 8x8
