@@ -115,10 +115,10 @@ def test_gradcheck_float64_function_path(layout, affine):
 
 def test_default_modules_pick_the_fused_path_and_save_only_x_and_one_scale_per_group():
     cases = [
-        (MRSNorm(64), torch.randn(1024, 64), "inductor"),
-        (MRSNorm2d(64, spatial=True), torch.randn(16, 64, 8, 8), "inductor"),
+        (MRSNorm(64), torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64), "inductor"),
+        (MRSNorm2d(64, spatial=True), torch.randn(fused.COMPILE_MIN_NUMEL // 1024, 64, 4, 4), "inductor"),
         (MRSNorm(64), torch.randn(8, 64), "function"),  # tiny: not worth a compile
-        (MRSNorm(64).double(), torch.randn(1024, 64, dtype=torch.float64), "function"),
+        (MRSNorm(64).double(), torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64, dtype=torch.float64), "function"),
     ]
     for norm, x, expected in cases:
         cd = -1 if isinstance(norm, MRSNorm) else 1
@@ -231,7 +231,8 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(fresh_compile_stat
     torch.testing.assert_close(y.double(), ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(y2.double(), ref, atol=2e-5, rtol=2e-5)
     # and auto no longer picks the compiled path
-    assert fused.resolve_backend(torch.randn(4096, 64), 1, False, "auto") == "function"
+    big = torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64)
+    assert fused.resolve_backend(big, 1, False, "auto") == "function"
 
 
 def test_input_errors_are_not_swallowed_by_the_fallback(fresh_compile_state):

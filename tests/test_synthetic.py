@@ -95,16 +95,26 @@ def test_index_out_of_range() -> None:
 
 
 def _small_cnn() -> nn.Module:
-    def block(cin: int, cout: int) -> list[nn.Module]:
-        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    def block(cin: int, cout: int, stride: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
+    # strided early: cheap on a shared CPU (~2 M multiply-adds per image)
     return nn.Sequential(
-        *block(3, 32), nn.MaxPool2d(2), *block(32, 64), nn.MaxPool2d(2), *block(64, 128),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 100),
+        *block(3, 32, 2), *block(32, 64, 2), *block(64, 96, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(96, 100),
     )
 
 
 def _train_and_eval(steps: int, batch_size: int, lr: float) -> float:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny convolutions: one thread is faster on a shared CPU
+    try:
+        return _train_and_eval_impl(steps, batch_size, lr)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_eval_impl(steps: int, batch_size: int, lr: float) -> float:
     torch.manual_seed(0)
     train = SyntheticCIFAR100(train=True, size=steps * batch_size)
     val = SyntheticCIFAR100(train=False, size=1000)
@@ -131,14 +141,14 @@ def _train_and_eval(steps: int, batch_size: int, lr: float) -> float:
 
 
 def test_learnable_quick() -> None:
-    """A small CNN beats the 1 % chance level by a wide margin within ~150 SGD steps."""
-    accuracy = _train_and_eval(steps=150, batch_size=64, lr=0.1)
-    assert accuracy > 0.10, f"top-1 {accuracy:.3f} after 150 steps; chance is 0.01"
+    """A small CNN beats the 1 % chance level by a wide margin within 200 SGD steps."""
+    accuracy = _train_and_eval(steps=200, batch_size=64, lr=0.2)
+    assert accuracy > 0.20, f"top-1 {accuracy:.3f} after 200 steps; chance is 0.01"
 
 
 @pytest.mark.slow
 def test_learnable_long() -> None:
     """A few hundred steps reach far above chance (but the task is not trivial)."""
-    accuracy = _train_and_eval(steps=500, batch_size=64, lr=0.1)
-    assert accuracy > 0.5, f"top-1 {accuracy:.3f} after 500 steps"
+    accuracy = _train_and_eval(steps=600, batch_size=64, lr=0.2)
+    assert accuracy > 0.6, f"top-1 {accuracy:.3f} after 600 steps"
     assert not math.isnan(accuracy)
