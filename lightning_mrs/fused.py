@@ -130,36 +130,49 @@ def _run_backward(impl: str, x3: Tensor, last: bool, g3: Tensor, w2, r_sum: Tens
 
 
 class MRSNormFunction(torch.autograd.Function):
-    """MRSNorm of a canonical 3-d view, with a backward that needs only ``x3`` and ``P*S``.
+    """MRSNorm with a hand-written backward that needs only ``x`` and one scale per group.
 
-    ``apply(x3, weight, eps, last, spatial, impl)``: ``x3`` is ``(A, L, C)`` if ``last`` else
-    ``(A, C, L)`` (see :func:`to_canonical`) and ``impl`` one of ``"inductor"``,
-    ``"triton"``, ``"function"``. The views to and from the caller's layout are taken outside
-    the Function, so its output is no view and in-place ops on it (``relu_``) work. Double
-    backward (``create_graph=True``) recomputes the forward with differentiable torch ops,
-    so gradgradcheck and gradient penalties work too.
+    ``apply(x, weight, eps, channel_dim, spatial, impl)`` with ``channel_dim >= 0`` and
+    ``impl`` one of ``"inductor"``, ``"triton"``, ``"function"``. The kernels see a 3-d view
+    of ``x`` (:func:`to_canonical`); the output is handed back as a fresh tensor, not as a
+    view of the kernel's buffer, so in-place ops on it (``relu_``, ``out += identity``) need
+    no CopySlices copies in the backward. Double backward (``create_graph=True``)
+    recomputes the forward with differentiable torch ops, so gradgradcheck works too.
     """
 
     @staticmethod
-    def forward(ctx, x3: Tensor, weight: Optional[Tensor], eps: float, last: bool, spatial: bool, impl: str):
-        y3, r_sum = _run_forward(impl, x3, last, _weight2(weight), eps, spatial)
-        ctx.save_for_backward(x3, weight, r_sum)  # r_sum = P * S: one value per group
-        ctx.cfg = (eps, last, spatial, impl)
-        return y3
+    def forward(ctx, x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str):
+        can = to_canonical(x, cd, spatial)
+        y3, r_sum = _run_forward(impl, can.x3, can.last, _weight2(weight), eps, spatial)
+        ctx.save_for_backward(x, weight, r_sum)  # r_sum = P * S: one value per group
+        ctx.cfg = (eps, cd, spatial, impl)
+        return _fresh(_from_canonical(y3, can, cd))
 
     @staticmethod
-    def backward(ctx, g3: Tensor):
-        x3, weight, r_sum = ctx.saved_tensors
-        eps, last, spatial, impl = ctx.cfg
+    def backward(ctx, g: Tensor):
+        x, weight, r_sum = ctx.saved_tensors
+        eps, cd, spatial, impl = ctx.cfg
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
-            cd = 2 if last else 1
-            dx, dw = _differentiable_grads(x3, weight, g3, eps, cd, spatial, need_x, need_w)
+            dx, dw = _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w)
             return dx, dw, None, None, None, None
-        g3 = _like(g3, x3)
-        dx3, dw = _run_backward(impl, x3, last, g3, _weight2(weight), r_sum, eps, spatial)
+        can = to_canonical(x, cd, spatial)
+        g3 = to_canonical(_like(g, x), cd, spatial).x3
+        dx3, dw = _run_backward(impl, can.x3, can.last, g3, _weight2(weight), r_sum, eps, spatial)
+        dx = _from_canonical(dx3, can, cd) if need_x else None
         dw = dw.to(weight.dtype) if need_w else None
-        return (dx3 if need_x else None), dw, None, None, None, None
+        return dx, dw, None, None, None, None
+
+
+def _fresh(view: Tensor) -> Tensor:
+    """The same memory as ``view`` in a tensor that is not a view (no ``_base``).
+
+    A custom Function must not return a view created inside it (autograd then forbids
+    in-place ops on it), and a view taken outside makes every in-place op on the result
+    go through CopySlices (two full copies of the gradient per op in the backward).
+    """
+    out = view.new_empty(0)
+    return out.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
 
 
 def _differentiable_grads(x, weight, g, eps, cd, spatial, need_x, need_w):
@@ -219,6 +232,4 @@ def fused_mrs_norm(
     x: Tensor, weight: Optional[Tensor], eps: float, cd: int, spatial: bool, impl: str
 ) -> Tensor:
     """MRSNorm through :class:`MRSNormFunction` (``impl`` from :func:`resolve_backend`)."""
-    can = to_canonical(x, cd, spatial)
-    y3 = MRSNormFunction.apply(can.x3, weight, eps, can.last, spatial, impl)
-    return _from_canonical(y3, can, cd)
+    return MRSNormFunction.apply(x, weight, eps, cd, spatial, impl)

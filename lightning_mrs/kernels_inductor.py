@@ -128,6 +128,7 @@ def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
     xf, gf = x3.to(ct), g3.to(ct)  # (A, C, L)
     even, odd = xf[:, 0::2], xf[:, 1::2]  # (A, P, L)
     rinv = torch.rsqrt(even * even + odd * odd + eps)  # (A, P, L), recomputed
+    rinv2 = rinv.unsqueeze(2).expand(-1, -1, 2, -1).flatten(1, 2)  # (A, C, L)
     gw = gf * w2.to(ct).unsqueeze(1) if w2 is not None else gf
     dims = (1, 2) if spatial else (1,)
     n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
@@ -138,13 +139,9 @@ def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
         c = (gw * xf).sum(dim=dims, keepdim=True)  # (A, 1, L)
         dw2 = (gf * xf * inv_s).sum(dim=(0, 2)) if w2 is not None else None  # (C,)
     k = c * inv_s * inv_s / n_pairs
-    # dx of the even and odd channels side by side: one loop over the pairs computes r once
-    # for both (a per-channel formula would recompute it, with two more loads, per channel)
-    kr = k * rinv  # (A, P, L)
-    gwe, gwo = gw[:, 0::2], gw[:, 1::2]  # (A, P, L)
-    dx = torch.stack((gwe * inv_s - kr * even, gwo * inv_s - kr * odd), dim=2)  # (A, P, 2, L)
+    dx = gw * inv_s - k * (xf * rinv2)  # (A, C, L)
     dw = None if w2 is None else dw2.view(-1, 2).sum(1)  # (P,)
-    return dx.flatten(1, 2).to(x3.dtype), dw
+    return dx.to(x3.dtype), dw
 
 
 # Distinct code objects, so that each keeps its own Dynamo cache (the recompile limit is
