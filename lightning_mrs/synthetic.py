@@ -67,9 +67,9 @@ class SyntheticCIFAR100(Dataset):
         num_classes: int = 100,
         image_size: int = 32,
         seed: int = 0,
-        noise: float = 0.1,
+        noise: float = 0.2,
         max_shift: int = 4,
-        distractor: float = 0.4,
+        distractor: float = 0.7,
     ) -> None:
         if size is None:
             size = 50_000 if train else 10_000
@@ -114,7 +114,7 @@ class SyntheticCIFAR100(Dataset):
         other = (label + 1 + int(u[2] * (self.num_classes - 1))) % self.num_classes
         image = image + self.distractor * float(u[3]) * self.prototypes[other]
 
-        contrast = 0.10 + 0.06 * float(u[4])  # intensity std of the pattern, 0..1 scale
+        contrast = 0.06 + 0.06 * float(u[4])  # intensity std of the pattern, 0..1 scale
         brightness = 0.5 + 0.2 * (torch.rand(3, 1, 1, generator=g) - 0.5)  # (3, 1, 1) per channel
         noise = self.noise * torch.randn(image.shape, generator=g)  # (3, H, W)
         image = brightness + contrast * image + noise
