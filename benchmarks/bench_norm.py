@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_norm.py                 # the table
     python benchmarks/bench_norm.py --json out.json # also the raw figures
     python benchmarks/bench_norm.py --repeats 21 --inner 5 --cases ln_8192x1024
+    python benchmarks/bench_norm.py --threads 1 --clock cpu  # steadier on a loaded machine
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def _step(module: nn.Module, x: Tensor, gy: Tensor) -> None:
     module(x).backward(gy)
 
 
-def _time(fn: Callable[[], None], inner: int) -> float:
-    t0 = time.perf_counter()
+def _time(fn: Callable[[], None], inner: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    t0 = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) / inner
+    return (clock() - t0) / inner
 
 
 class _Compiled(nn.Module):
@@ -112,7 +113,10 @@ def _eager(m: nn.Module) -> nn.Module:
     return m
 
 
-def run_case(name: str, shape, factories, base: str, repeats: int, inner: int) -> dict:
+def run_case(
+    name: str, shape, factories, base: str, repeats: int, inner: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
     torch.manual_seed(0)
     x = torch.randn(shape, requires_grad=True)
     gy = torch.randn(shape)
@@ -123,7 +127,7 @@ def run_case(name: str, shape, factories, base: str, repeats: int, inner: int) -
     times: dict[str, list[float]] = {k: [] for k in mods}
     for _ in range(repeats):  # interleaved: every row sees the same machine state
         for k, m in mods.items():
-            times[k].append(_time(lambda m=m: _step(m, x, gy), inner))
+            times[k].append(_time(lambda m=m: _step(m, x, gy), inner, clock))
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}  # robust to other loads on a busy machine
     mem = {k: saved_bytes(m, x) for k, m in mods.items()}
@@ -150,6 +154,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--cases", nargs="*", default=None, help="subset of case names")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
+    p.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall: time.perf_counter; cpu: process CPU time (time.process_time), steadier "
+        "on a loaded machine, best with --threads 1 (idle OpenMP threads spin and count)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,7 +167,9 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in all_cases]
     if unknown:
         p.error(f"unknown case(s) {unknown}; choose from {list(all_cases)}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} "
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"{args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
           f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
     results = []
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     print(hdr)
     print("-" * len(hdr))
     for n in names:
-        res = run_case(n, *all_cases[n], args.repeats, args.inner)
+        res = run_case(n, *all_cases[n], args.repeats, args.inner, clock)
         results.append(res)
         for r in res["rows"]:
             print(f"{n:20s} {r['impl']:32s} {r['ms']:9.2f} {r['time_ratio']:6.2f} "
@@ -177,6 +188,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "clock": args.clock,
                        "results": results}, f, indent=2)
     return 0
 

@@ -95,6 +95,18 @@ def test_inductor_without_weight(layout):
     _check_against_reference("inductor", layout, torch.float32, affine=False)
 
 
+def test_inductor_fewer_rows_than_the_dw_block_keeps_the_compiled_path():
+    # 5 rows < the 8-row blocks of the dw column sum: must compile, not disable Inductor
+    x, w, gy = _inputs((5, 64), -1, None, torch.float32)
+    y, dx, dw = _grads(lambda a, b: mrs_norm(a, b, backend="inductor"), x, w, gy)
+    y_r, dx_r, dw_r = _grads(mrs_norm_ref, x.double(), w.double(), gy.double())
+    assert ki.compile_failed() is None
+    atol, rtol = TOLS[torch.float32]
+    torch.testing.assert_close(y.double(), y_r, atol=atol, rtol=rtol)
+    torch.testing.assert_close(dx.double(), dx_r, atol=atol * 10, rtol=rtol * 10)
+    torch.testing.assert_close(dw.double(), dw_r, atol=atol * 10 * dw_r.abs().max().item(), rtol=rtol * 10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_function_path_matches_reference(layout, dtype):
