@@ -52,7 +52,12 @@ __all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model",
 NORMS = ("mrs", "rms", "layer", "batch")
 
 
-def build_model(arch: str, num_classes: int = 100, cifar_stem: bool = True) -> nn.Module:
+def build_model(
+    arch: str,
+    num_classes: int = 100,
+    cifar_stem: bool = True,
+    arch_kwargs: Optional[dict[str, Any]] = None,
+) -> nn.Module:
     """Build a randomly initialised torchvision or timm classifier.
 
     Args:
@@ -62,6 +67,9 @@ def build_model(arch: str, num_classes: int = 100, cifar_stem: bool = True) -> n
         num_classes: size of the classifier head.
         cifar_stem: give ResNets (torchvision or timm, any depth) the usual CIFAR stem: a 3x3
             stride-1 first convolution and no max-pool, so 32x32 inputs keep their resolution.
+        arch_kwargs: extra keyword arguments of the model builder (``timm.create_model`` or
+            ``torchvision.models.get_model``), e.g. ``{"layers": [1, 1, 1, 1]}`` for a
+            shallower timm ResNet.
 
     Returns:
         The model (``pretrained=False``/``weights=None``: nothing is downloaded).
@@ -74,6 +82,7 @@ def build_model(arch: str, num_classes: int = 100, cifar_stem: bool = True) -> n
     import timm
     import torchvision
 
+    kwargs = dict(arch_kwargs or {})
     source, _, name = arch.rpartition(":")
     if source not in ("", "tv", "timm"):
         raise ValueError(f"--model.arch {arch!r}: the prefix must be 'tv:' or 'timm:', got {source!r}.")
@@ -81,14 +90,14 @@ def build_model(arch: str, num_classes: int = 100, cifar_stem: bool = True) -> n
     if source == "tv" or (source == "" and name in tv_names):
         if name not in tv_names:
             raise ValueError(f"--model.arch {arch!r}: not a torchvision classification model.")
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
     else:
         if not timm.is_model(name):
             raise ValueError(
                 f"--model.arch {arch!r}: neither a torchvision classification model nor a timm model "
                 "(see torchvision.models.list_models() and timm.list_models())."
             )
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
     if cifar_stem:
         _cifar_stem(model)
     return model
@@ -128,6 +137,7 @@ class CifarClassifier(pl.LightningModule):
         num_classes: classifier outputs.
         cifar_stem: the CIFAR stem for ResNets (3x3 stride-1 conv, no max-pool).
         label_smoothing: cross-entropy label smoothing.
+        arch_kwargs: extra keyword arguments of the model builder (see :func:`build_model`).
         mrs_backend: implementation of the MRSNorm layers (``norm=mrs``): ``auto`` (fused
             kernels where available), ``eager`` (the plain torch formula), or one of
             :data:`lightning_mrs.fused.BACKENDS`. Same maths; a speed/debugging knob.
@@ -152,6 +162,7 @@ class CifarClassifier(pl.LightningModule):
         cifar_stem: bool = True,
         label_smoothing: float = 0.0,
         mrs_backend: str = "auto",
+        arch_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -165,7 +176,7 @@ class CifarClassifier(pl.LightningModule):
         if lr <= 0:
             raise ValueError(f"--model.lr must be > 0, got {lr}.")
         self.save_hyperparameters()
-        self.model = build_model(arch, num_classes, cifar_stem)
+        self.model = build_model(arch, num_classes, cifar_stem, arch_kwargs)
         self.swap_report = None
         if norm != "batch":
             self.swap_report = swap_norms(self.model, target=norm)
