@@ -127,7 +127,8 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
 
     model = CifarClassifier(arch=args.arch, norm=norm, lr=lr, weight_decay=args.weight_decay,
                             warmup_frac=args.warmup_frac, schedule=args.schedule,
-                            mrs_backend=args.mrs_backend)
+                            mrs_backend=args.mrs_backend, arch_kwargs=args.arch_kwargs,
+                            cifar_stem=args.cifar_stem)
     dm = _datamodule(args, batch_size)
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
