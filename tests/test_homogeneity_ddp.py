@@ -13,45 +13,20 @@ import os
 import socket
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from callbacks import GradientHomogeneityMonitor
+from recording_logger import RecordingLogger
 from lightning_mrs import MRSNorm, MRSNorm2d
 
 GLOBAL_BATCH, STEPS = 8, 3
-
-
-class RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.history: dict[str, dict[int, float]] = defaultdict(dict)
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        for key, value in metrics.items():
-            self.history[key][int(step)] = float(value)
-
-    @rank_zero_only
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 class Module(pl.LightningModule):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -13,40 +12,15 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
-from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import GradientHomogeneityMonitor
+from recording_logger import RecordingLogger
 from lightning_mrs import MRSNorm, MRSNorm2d
 
 STATS = ("grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac",
          "radial_frac", "act_outlier_ratio", "nonfinite")
-
-
-class RecordingLogger(Logger):
-    """Keeps every logged value: ``history[tag][step] = value``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.history: dict[str, dict[int, float]] = defaultdict(dict)
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @rank_zero_only
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        for key, value in metrics.items():
-            self.history[key][step] = float(value)
-
-    @rank_zero_only
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 class Poison(torch.autograd.Function):

@@ -1,0 +1,34 @@
+"""A Lightning logger for tests that keeps every logged value: ``history[tag][step] = value``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+
+class RecordingLogger(Logger):
+    """Keeps every logged value: ``history[tag][step] = value``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, dict[Optional[int], float]] = defaultdict(dict)
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        for key, value in metrics.items():
+            self.history[key][None if step is None else int(step)] = float(value)
+
+    @rank_zero_only
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
