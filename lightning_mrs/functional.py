@@ -22,9 +22,34 @@ from torch import Tensor
 
 from lightning_mrs.fused import BACKENDS, fused_mrs_norm, resolve_backend
 
-__all__ = ["mrs_norm", "mrs_scale", "check_mrs_input"]
+__all__ = ["mrs_norm", "mrs_scale", "check_mrs_input", "phasor_channel_dim"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def phasor_channel_dim(x: Tensor, channel_dim: int, caller: str) -> int:
+    """``channel_dim`` of ``x`` as a non-negative index, checked to hold an even width.
+
+    Raises:
+        ValueError: a 0-d tensor, an out-of-range dim or an odd channel count, naming
+            ``caller`` and the fix.
+    """
+    if x.ndim == 0:
+        raise ValueError(f"{caller} expects a tensor with a channel dimension, got a 0-d tensor.")
+    if not -x.ndim <= channel_dim < x.ndim:
+        raise ValueError(
+            f"{caller}: channel_dim={channel_dim} is out of range for a {x.ndim}-d input of "
+            f"shape {tuple(x.shape)}."
+        )
+    cd = channel_dim % x.ndim
+    channels = x.shape[cd]
+    if channels % 2:
+        raise ValueError(
+            f"{caller} pairs adjacent channels into phasors, so the channel dim must be even; "
+            f"got {channels} channels (dim {cd} of shape {tuple(x.shape)}). Pad or project "
+            "to an even width."
+        )
+    return cd
 
 
 def check_mrs_input(
@@ -41,21 +66,8 @@ def check_mrs_input(
             f"mrs_norm expects a floating-point tensor, got dtype {x.dtype}; "
             "convert the input first, e.g. x.float()."
         )
-    if x.ndim == 0:
-        raise ValueError("mrs_norm expects a tensor with a channel dimension, got a 0-d tensor.")
-    if not -x.ndim <= channel_dim < x.ndim:
-        raise ValueError(
-            f"mrs_norm: channel_dim={channel_dim} is out of range for a {x.ndim}-d input of "
-            f"shape {tuple(x.shape)}."
-        )
-    cd = channel_dim % x.ndim
+    cd = phasor_channel_dim(x, channel_dim, "mrs_norm")
     channels = x.shape[cd]
-    if channels % 2:
-        raise ValueError(
-            f"mrs_norm pairs adjacent channels into phasors, so the channel dim must be even; "
-            f"got {channels} channels (dim {cd} of shape {tuple(x.shape)}). Pad or project "
-            "to an even width."
-        )
     if spatial and x.ndim < 2:
         raise ValueError(
             "mrs_norm(spatial=True) shares S over all dims but the batch dim (0), so it needs "

@@ -39,6 +39,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from lightning_mrs.functional import phasor_channel_dim
+
 __all__ = [
     "ALL_STAT_NAMES",
     "STAT_NAMES",
@@ -122,17 +124,8 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> Tensor:
             f"phasor_sums: input and gradient shapes differ: {tuple(x.shape)} vs "
             f"{tuple(grad.shape)}."
         )
-    if x.ndim == 0 or not -x.ndim <= channel_dim < x.ndim:
-        raise ValueError(
-            f"phasor_sums: channel_dim={channel_dim} is out of range for shape {tuple(x.shape)}."
-        )
-    cd = channel_dim % x.ndim
+    cd = phasor_channel_dim(x, channel_dim, "phasor_sums")
     channels = x.shape[cd]
-    if channels % 2:
-        raise ValueError(
-            f"phasor_sums: phasors pair adjacent channels, so the channel dim must be even; got "
-            f"{channels} (dim {cd} of shape {tuple(x.shape)})."
-        )
     work = torch.float64 if grad.dtype == torch.float64 else torch.float32
     p = channels // 2
     lead = math.prod(x.shape[:cd])
