@@ -93,6 +93,13 @@ def _mean_dims(ndim: int, cd: int, spatial: bool) -> tuple[int, ...]:
     return tuple(range(1, ndim)) if spatial else (cd,)
 
 
+def _scale(xf: Tensor, cd: int, eps: float, spatial: bool) -> Tensor:
+    """``S = mean_i sqrt(x[2i]^2 + x[2i+1]^2 + eps)`` per group, size 1 along the mean dims."""
+    even, odd = _pairs(xf, cd)  # (..., P, ...)
+    r = torch.sqrt(even * even + odd * odd + eps)  # (..., P, ...) phasor magnitudes
+    return r.mean(dim=_mean_dims(xf.ndim, cd, spatial), keepdim=True)  # (..., 1, ...)
+
+
 def mrs_scale(
     x: Tensor, eps: float = 1e-6, *, channel_dim: int = -1, spatial: bool = False
 ) -> Tensor:
@@ -103,9 +110,7 @@ def mrs_scale(
     """
     cd = check_mrs_input(x, None, eps, channel_dim, spatial)
     xf = x.float() if x.dtype in _HALF_DTYPES else x
-    even, odd = _pairs(xf, cd)  # (..., P, ...)
-    r = torch.sqrt(even * even + odd * odd + eps)  # (..., P, ...) phasor magnitudes
-    return r.mean(dim=_mean_dims(x.ndim, cd, spatial), keepdim=True)  # (..., 1, ...)
+    return _scale(xf, cd, eps, spatial)
 
 
 def mrs_norm(
@@ -153,9 +158,7 @@ def mrs_norm(
         if impl != "eager":
             return fused_mrs_norm(x, weight, eps, cd, spatial, impl)
     xf = x.float() if x.dtype in _HALF_DTYPES else x
-    even, odd = _pairs(xf, cd)  # (..., P, ...)
-    r = torch.sqrt(even * even + odd * odd + eps)  # (..., P, ...)
-    inv_s = r.mean(dim=_mean_dims(x.ndim, cd, spatial), keepdim=True).reciprocal()
+    inv_s = _scale(xf, cd, eps, spatial).reciprocal()  # (..., 1, ...)
     if weight is not None:
         # (C,) gain broadcast along the channel dim: each phasor's weight on both its channels
         w = weight.to(xf.dtype).repeat_interleave(2)  # (C,)
