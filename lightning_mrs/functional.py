@@ -133,10 +133,11 @@ def mrs_norm(
             ``1`` for channels-first.
         spatial: share one ``S`` per sample over all dims but the first.
         backend: ``"auto"`` (default) picks the fastest implementation available: a fused
-            autograd Function saving only ``x`` and ``1/S``, with Inductor-compiled kernels
-            (CPU/GPU, compiled on first use) or Triton kernels (CUDA); the plain formula
-            under ``torch.compile``. ``"eager"`` is this module's pure-torch formula (the
-            reference); ``"function"``, ``"inductor"`` and ``"triton"`` force one
+            autograd Function saving only ``x`` and ``1/S``, with hand-written one-pass CPU
+            kernels (built once per machine), Inductor-compiled kernels (CPU/GPU, compiled
+            on first use) or Triton kernels (CUDA); the plain formula under
+            ``torch.compile``. ``"eager"`` is this module's pure-torch formula (the
+            reference); ``"function"``, ``"cpp"``, ``"inductor"`` and ``"triton"`` force one
             implementation (see :mod:`lightning_mrs.fused`).
 
     Returns:

@@ -3,8 +3,10 @@
 Eager MRSNorm saves every intermediate (``x^2``, ``r``, ``S``, ``x/S``...) for the backward
 and runs one kernel per op. :class:`MRSNormFunction` saves only the input and one scale per
 group (``P * S``, from which the backward takes ``1/S``) and calls one fused forward and one fused backward (PAPER.md, "Backward"), in one of
-three implementations:
+four implementations:
 
+* ``"cpp"``: the hand-written one-pass CPU kernels of :mod:`lightning_mrs.kernels_cpu`
+  (channels-contiguous per position, and per sample with the positions contiguous);
 * ``"inductor"``: the bodies of :mod:`lightning_mrs.kernels_inductor` compiled by Inductor
   (C++/OpenMP on the CPU, Triton on a GPU), compiled on first use;
 * ``"triton"``: the hand-written kernels of :mod:`lightning_mrs.kernels_triton` (CUDA);
@@ -23,11 +25,12 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_mrs import kernels_cpu as kc
 from lightning_mrs import kernels_inductor as ki
 
 __all__ = ["BACKENDS", "MRSNormFunction", "fused_mrs_norm", "resolve_backend"]
 
-BACKENDS = ("auto", "eager", "function", "inductor", "triton")
+BACKENDS = ("auto", "eager", "function", "inductor", "cpp", "triton")
 
 # Below this many elements (1 MiB of fp32) a compiled kernel is not worth its first-call
 # compile (seconds per body and layout) nor its guards; the eager-bodied "function" path
@@ -103,6 +106,8 @@ def _weight2(weight: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _run_forward(impl: str, x3: Tensor, last: bool, w2: Optional[Tensor], eps: float, spatial: bool):
+    if impl == "cpp":
+        return kc.forward(x3, w2, eps, last)
     if impl == "triton":
         from lightning_mrs import kernels_triton as kt
 
@@ -116,6 +121,8 @@ def _run_forward(impl: str, x3: Tensor, last: bool, w2: Optional[Tensor], eps: f
 
 
 def _run_backward(impl: str, x3: Tensor, last: bool, g3: Tensor, w2, r_sum: Tensor, eps: float, spatial: bool):
+    if impl == "cpp":
+        return kc.backward(x3, w2, r_sum, g3, eps, last)
     if impl == "triton":
         from lightning_mrs import kernels_triton as kt
 
@@ -133,7 +140,7 @@ class MRSNormFunction(torch.autograd.Function):
     """MRSNorm with a hand-written backward that needs only ``x`` and one scale per group.
 
     ``apply(x, weight, eps, channel_dim, spatial, impl)`` with ``channel_dim >= 0`` and
-    ``impl`` one of ``"inductor"``, ``"triton"``, ``"function"``. The kernels see a 3-d view
+    ``impl`` one of ``"cpp"``, ``"inductor"``, ``"triton"``, ``"function"``. The kernels see a 3-d view
     of ``x`` (:func:`to_canonical`); the output is handed back as a fresh tensor, not as a
     view of the kernel's buffer, so in-place ops on it (``relu_``, ``out += identity``) need
     no CopySlices copies in the backward. Double backward (``create_graph=True``)
@@ -199,13 +206,25 @@ def _triton_ok(x: Tensor, spatial: bool, explicit: bool = False) -> bool:
     return kt.importable() and (interpret or kt.available())
 
 
+def _cpp_ok(x: Tensor, cd: int, spatial: bool) -> bool:
+    """A hand-written CPU kernel covers this layout and dtype (builds it on first use)."""
+    if x.device.type != "cpu" or x.dtype not in _COMPILE_DTYPES:
+        return False
+    if not (x.is_contiguous() or x.movedim(cd, -1).is_contiguous()):
+        return False  # no canonical view without a copy
+    can = to_canonical(x, cd, spatial)
+    return kc.supports(can.x3, can.last, spatial) and kc.available(x.dtype)
+
+
 def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
     """The implementation that ``backend`` means for this input.
 
     ``"auto"``: the eager formula under ``torch.compile`` (the outer compile fuses it, no
     graph break) and where no canonical view exists; Triton on CUDA when installed
-    (``spatial=False``); Inductor for float32/16/bf16 tensors of at least
-    ``COMPILE_MIN_NUMEL`` elements; else the eager-bodied ``"function"``.
+    (``spatial=False``); on the CPU the hand-written kernels (``"cpp"``) for the layouts
+    they cover (channels contiguous per position, positions contiguous per sample), else
+    Inductor for float32/16/bf16 tensors of at least ``COMPILE_MIN_NUMEL`` elements; else
+    the eager-bodied ``"function"``.
     """
     if backend == "eager" or torch.compiler.is_compiling() or x.numel() == 0:
         return "eager"
@@ -219,10 +238,21 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
                 "available kernel."
             )
         return "triton"
+    if backend == "cpp":
+        if not _cpp_ok(x, cd, spatial):
+            raise ValueError(
+                "mrs_norm(backend='cpp') needs a dense float32/float16/bfloat16 CPU tensor with "
+                "the channels contiguous and spatial=False, or positions contiguous and "
+                f"spatial=True, and a C++ compiler ({kc.build_error() or 'layout not covered'}); "
+                "use backend='auto' to pick the best available kernel."
+            )
+        return "cpp"
     if backend in ("inductor", "function"):
         return backend
     if _triton_ok(x, spatial):
         return "triton"
+    if _cpp_ok(x, cd, spatial):
+        return "cpp"
     if x.dtype in _COMPILE_DTYPES and x.numel() >= COMPILE_MIN_NUMEL and not ki.compile_failed():
         return "inductor"
     return "function"

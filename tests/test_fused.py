@@ -1,7 +1,7 @@
 """The fused MRSNorm (``lightning_mrs.fused``) against the independent float64 reference.
 
 Forward, input gradient and weight gradient of the Inductor-compiled path and of the
-eager-bodied ``"function"`` path, for every layout the kernels distinguish; saved memory;
+eager-bodied ``"function"`` path (the hand-written CPU kernels: test_kernels_cpu.py), for every layout the kernels distinguish; saved memory;
 dispatch; the fallback when compilation fails. Compiling costs seconds per new
 (layout, dtype) so the compiled cases share few channel widths (the module-level cache of
 ``kernels_inductor`` reuses them, and the batch dim is dynamic).
@@ -18,6 +18,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
 from lightning_mrs import fused
+from lightning_mrs import kernels_cpu as kc
 from lightning_mrs import kernels_inductor as ki
 from mrs_reference import mrs_norm_ref
 
@@ -126,11 +127,16 @@ def test_gradcheck_float64_function_path(layout, affine):
 
 
 def test_default_modules_pick_the_fused_path_and_save_only_x_and_one_scale_per_group():
+    # the hand-written CPU kernels where they cover the layout (and could be built)
+    cpp = "cpp" if kc.available() else None
+    big = fused.COMPILE_MIN_NUMEL
     cases = [
-        (MRSNorm(64), torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64), "inductor"),
-        (MRSNorm2d(64, spatial=True), torch.randn(fused.COMPILE_MIN_NUMEL // 1024, 64, 4, 4), "inductor"),
-        (MRSNorm(64), torch.randn(8, 64), "function"),  # tiny: not worth a compile
-        (MRSNorm(64).double(), torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64, dtype=torch.float64), "function"),
+        (MRSNorm(64), torch.randn(big // 64, 64), cpp or "inductor"),
+        (MRSNorm2d(64, spatial=True), torch.randn(big // 1024, 64, 4, 4), cpp or "inductor"),
+        (MRSNorm2d(64), torch.randn(big // 1024, 64, 4, 4), "inductor"),  # NCHW per position
+        (MRSNorm(64), torch.randn(8, 64), cpp or "function"),  # tiny: not worth a compile
+        (MRSNorm2d(64), torch.randn(2, 64, 4, 4), "function"),
+        (MRSNorm(64).double(), torch.randn(big // 64, 64, dtype=torch.float64), "function"),
     ]
     for norm, x, expected in cases:
         cd = -1 if isinstance(norm, MRSNorm) else 1
@@ -209,7 +215,7 @@ def test_torch_compile_of_a_model_has_no_graph_break():
 
 
 def test_unknown_backend_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="auto, eager, function, inductor, triton"):
+    with pytest.raises(ValueError, match="auto, eager, function, inductor, cpp, triton"):
         mrs_norm(torch.randn(2, 8), backend="cuda")
 
 
@@ -244,8 +250,8 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(fresh_compile_stat
     ref = mrs_norm_ref(x, w)
     torch.testing.assert_close(y.double(), ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(y2.double(), ref, atol=2e-5, rtol=2e-5)
-    # and auto no longer picks the compiled path
-    big = torch.randn(fused.COMPILE_MIN_NUMEL // 64, 64)
+    # and auto no longer picks the compiled path (NCHW per position: no hand-written kernel)
+    big = torch.randn(fused.COMPILE_MIN_NUMEL // 1024, 64, 4, 4)
     assert fused.resolve_backend(big, 1, False, "auto") == "function"
 
 

@@ -1,0 +1,257 @@
+// One-pass CPU kernels of the fused MRSNorm (PAPER.md, "Forward" and "Backward").
+//
+// Compiled on first use by lightning_mrs/kernels_cpu.py (the system C++ compiler, OpenMP,
+// -O3 -march=native) and called through ctypes; lightning_mrs/kernels_inductor.py holds
+// the same maths in plain torch (the reference the tests compare against).
+//
+// Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
+// reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
+// emits the column reduction as a second pass over g and x; here every thread adds its rows
+// into its own dw buffer inside the row loop (the layout of ATen's LayerNorm backward), so
+// g and x are read from memory once.
+//
+// Layouts (row-major, dense):
+//   *_rows:   (R, C), channels contiguous, one S per row (tokens, NHWC per position).
+//   *_sample: (A, C, L), positions contiguous, one S per sample (NCHW per sample).
+// Channel c belongs to phasor c / 2. Accumulation is in float32 for every input dtype;
+// w2 is the per-channel gain (C,) in float32 or null; rsum holds P * S per group.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float ld(float v) { return v; }
+inline void st(float* p, float v) { *p = v; }
+
+struct bf16 { uint16_t bits; };
+inline float ld(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void st(bf16* p, float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    p->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  p->bits = static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__FLT16_MAX__)
+#define MRS_HAS_F16 1
+using f16 = _Float16;
+inline float ld(f16 v) { return static_cast<float>(v); }
+inline void st(f16* p, float v) { *p = static_cast<f16>(v); }
+#endif
+
+// ---- channels contiguous, one S per row -----------------------------------------------
+template <typename T>
+void fwd_rows(const T* x, const float* w2, T* y, float* rsum, int64_t rows, int64_t C,
+              float eps, int nt) {
+  const int64_t P = C / 2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t a = 0; a < rows; ++a) {
+    const T* xr = x + a * C;
+    T* yr = y + a * C;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t p = 0; p < P; ++p) {
+      const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+      s += std::sqrt(x0 * x0 + x1 * x1 + eps);
+    }
+    rsum[a] = s;
+    const float inv = static_cast<float>(P) / s;
+    if (w2) {
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv * w2[j]);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv);
+    }
+  }
+}
+
+// Sums the per-thread dw buffers (nt, C) into dw (P,): dw[p] = sum over both channels.
+void reduce_dw(const std::vector<float>& acc, int nt, int64_t C, float* dw) {
+  for (int64_t p = 0; p < C / 2; ++p) {
+    float s = 0.f;
+    for (int t = 0; t < nt; ++t) s += acc[t * C + 2 * p] + acc[t * C + 2 * p + 1];
+    dw[p] = s;
+  }
+}
+
+template <typename T>
+void bwd_rows(const T* x, const T* g, const float* w2, const float* rsum, T* dx, float* dw,
+              int64_t rows, int64_t C, float eps, int nt) {
+  const int64_t P = C / 2;
+  const float fp = static_cast<float>(P);
+  std::vector<float> acc(w2 ? static_cast<size_t>(nt) * C : 0, 0.f);  // per-thread dw (C,)
+#pragma omp parallel num_threads(nt)
+  {
+    float* my = w2 ? acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < rows; ++a) {
+      const T* xr = x + a * C;
+      const T* gr = g + a * C;
+      T* dr = dx + a * C;
+      const float inv_s = fp / rsum[a];
+      float c = 0.f;  // sum_k w g x over the row
+      if (w2) {
+#pragma omp simd reduction(+ : c)
+        for (int64_t j = 0; j < C; ++j) c += w2[j] * ld(gr[j]) * ld(xr[j]);
+      } else {
+#pragma omp simd reduction(+ : c)
+        for (int64_t j = 0; j < C; ++j) c += ld(gr[j]) * ld(xr[j]);
+      }
+      const float k = c * inv_s * inv_s / fp;  // dx = w g / S - k x / r
+      if (w2) {
+#pragma omp simd
+        for (int64_t p = 0; p < P; ++p) {
+          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+          const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
+          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+          st(dr + 2 * p, w2[2 * p] * g0 * inv_s - kr * x0);
+          st(dr + 2 * p + 1, w2[2 * p + 1] * g1 * inv_s - kr * x1);
+          my[2 * p] += g0 * x0 * inv_s;
+          my[2 * p + 1] += g1 * x1 * inv_s;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t p = 0; p < P; ++p) {
+          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+          st(dr + 2 * p, ld(gr[2 * p]) * inv_s - kr * x0);
+          st(dr + 2 * p + 1, ld(gr[2 * p + 1]) * inv_s - kr * x1);
+        }
+      }
+    }
+  }
+  if (w2) reduce_dw(acc, nt, C, dw);
+}
+
+// ---- positions contiguous, one S per sample --------------------------------------------
+template <typename T>
+void fwd_sample(const T* x, const float* w2, T* y, float* rsum, int64_t A, int64_t C,
+                int64_t L, float eps, int nt) {
+  const int64_t P = C / 2;
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t a = 0; a < A; ++a) {
+    const T* xa = x + a * C * L;
+    T* ya = y + a * C * L;
+    float s = 0.f;  // row by row: short float sums, then their total
+    for (int64_t p = 0; p < P; ++p) {
+      const T* x0 = xa + 2 * p * L;
+      const T* x1 = x0 + L;
+      float sp = 0.f;
+#pragma omp simd reduction(+ : sp)
+      for (int64_t l = 0; l < L; ++l) {
+        const float u = ld(x0[l]), v = ld(x1[l]);
+        sp += std::sqrt(u * u + v * v + eps);
+      }
+      s += sp;
+    }
+    rsum[a] = s;
+    const float inv = n_pairs / s;
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const float m = w2 ? inv * w2[ch] : inv;
+      const T* xc = xa + ch * L;
+      T* yc = ya + ch * L;
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) st(yc + l, ld(xc[l]) * m);
+    }
+  }
+}
+
+template <typename T>
+void bwd_sample(const T* x, const T* g, const float* w2, const float* rsum, T* dx, float* dw,
+                int64_t A, int64_t C, int64_t L, float eps, int nt) {
+  const int64_t P = C / 2;
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  std::vector<float> acc(w2 ? static_cast<size_t>(nt) * C : 0, 0.f);  // per-thread dw (C,)
+#pragma omp parallel num_threads(nt)
+  {
+    float* my = w2 ? acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+    std::vector<float> gxs(C);  // per channel sum_l g x / S of this sample
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < A; ++a) {
+      const T* xa = x + a * C * L;
+      const T* ga = g + a * C * L;
+      T* da = dx + a * C * L;
+      const float inv_s = n_pairs / rsum[a];
+      float cs = 0.f;  // c / S = sum_k w g x / S
+      for (int64_t ch = 0; ch < C; ++ch) {
+        const T* xc = xa + ch * L;
+        const T* gc = ga + ch * L;
+        float t = 0.f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t l = 0; l < L; ++l) t += ld(gc[l]) * ld(xc[l]);
+        gxs[ch] = t * inv_s;
+        cs += (w2 ? w2[ch] : 1.f) * gxs[ch];
+      }
+      const float k = cs * inv_s / n_pairs;  // dx = w g / S - k x / r
+      for (int64_t p = 0; p < P; ++p) {
+        const T* x0 = xa + 2 * p * L;
+        const T* x1 = x0 + L;
+        const T* g0 = ga + 2 * p * L;
+        const T* g1 = g0 + L;
+        T* d0 = da + 2 * p * L;
+        T* d1 = d0 + L;
+        const float m0 = (w2 ? w2[2 * p] : 1.f) * inv_s;
+        const float m1 = (w2 ? w2[2 * p + 1] : 1.f) * inv_s;
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) {
+          const float u = ld(x0[l]), v = ld(x1[l]);
+          const float kr = k / std::sqrt(u * u + v * v + eps);
+          st(d0 + l, ld(g0[l]) * m0 - kr * u);
+          st(d1 + l, ld(g1[l]) * m1 - kr * v);
+        }
+      }
+      if (my)
+        for (int64_t ch = 0; ch < C; ++ch) my[ch] += gxs[ch];
+    }
+  }
+  if (w2) reduce_dw(acc, nt, C, dw);
+}
+
+}  // namespace
+
+#define MRS_EXPORT(SUFFIX, T)                                                                \
+  extern "C" void mrs_fwd_rows_##SUFFIX(const void* x, const float* w2, void* y, float* rs, \
+                                        int64_t rows, int64_t C, float eps, int nt) {      \
+    fwd_rows(static_cast<const T*>(x), w2, static_cast<T*>(y), rs, rows, C, eps, nt);      \
+  }                                                                                        \
+  extern "C" void mrs_bwd_rows_##SUFFIX(const void* x, const void* g, const float* w2,     \
+                                        const float* rs, void* dx, float* dw, int64_t rows, \
+                                        int64_t C, float eps, int nt) {                    \
+    bwd_rows(static_cast<const T*>(x), static_cast<const T*>(g), w2, rs,                   \
+             static_cast<T*>(dx), dw, rows, C, eps, nt);                                   \
+  }                                                                                        \
+  extern "C" void mrs_fwd_sample_##SUFFIX(const void* x, const float* w2, void* y,          \
+                                          float* rs, int64_t A, int64_t C, int64_t L,       \
+                                          float eps, int nt) {                             \
+    fwd_sample(static_cast<const T*>(x), w2, static_cast<T*>(y), rs, A, C, L, eps, nt);    \
+  }                                                                                        \
+  extern "C" void mrs_bwd_sample_##SUFFIX(const void* x, const void* g, const float* w2,   \
+                                          const float* rs, void* dx, float* dw, int64_t A,  \
+                                          int64_t C, int64_t L, float eps, int nt) {       \
+    bwd_sample(static_cast<const T*>(x), static_cast<const T*>(g), w2, rs,                 \
+               static_cast<T*>(dx), dw, A, C, L, eps, nt);                                 \
+  }
+
+MRS_EXPORT(f32, float)
+MRS_EXPORT(bf16, bf16)
+#ifdef MRS_HAS_F16
+MRS_EXPORT(f16, f16)
+#endif
+
+extern "C" int mrs_abi_version() { return 1; }

@@ -1,0 +1,220 @@
+"""Hand-written one-pass CPU kernels (``csrc/mrs_norm_cpu.cpp``), built on first use.
+
+Two layouts have a kernel here, the two where Inductor's code falls short of torch's native
+norms (see the source's header for why):
+
+* ``rows``: ``(R, C)`` with the channels contiguous and one ``S`` per row (tokens, NHWC /
+  ``channels_last`` per position) - the peer of ``nn.LayerNorm``;
+* ``sample``: ``(A, C, L)`` with the positions contiguous and one ``S`` per sample (NCHW
+  per sample) - the peer of ``nn.GroupNorm(1, C)``.
+
+The library is compiled once per machine with the system C++ compiler (``$CXX``, else
+``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``) into a cache folder
+(``$LIGHTNING_MRS_CACHE``, else ``~/.cache/lightning_mrs``), keyed by the source, the
+compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`. Nothing happens at
+import time; :func:`available` triggers the build. If the build fails (no compiler, no
+OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; the callers
+then use the Inductor kernels. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
+
+The plain-torch bodies in :mod:`lightning_mrs.kernels_inductor` compute the same results;
+the tests compare both against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "build_error", "supports", "forward", "backward"]
+
+SOURCE = Path(__file__).with_name("csrc") / "mrs_norm_cpu.cpp"
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "lib": ctypes.CDLL or None, "error": str
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and instruction sets: a library built with ``-march=native`` on one
+    machine must not be loaded on another (shared home folders on a cluster)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LIGHTNING_MRS_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning_mrs"
+
+
+def _flag_sets() -> list[list[str]]:
+    common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    return [common + ["-march=native"], common]  # second try: a compiler without -march=native
+
+
+def _build() -> ctypes.CDLL:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    errors = []
+    for flags in _flag_sets():
+        key = hashlib.sha256(
+            b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()])
+        ).hexdigest()[:20]
+        target = _cache_dir() / f"mrs_norm_cpu_{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: concurrent processes (DDP ranks) each
+            # build a complete file and the rename is atomic, so no lock is needed.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+                continue
+            os.replace(tmp, target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+        return lib
+    raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: " + " | ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    for suffix in _SUFFIX.values():
+        if not hasattr(lib, f"mrs_fwd_rows_{suffix}"):
+            continue  # float16 needs the compiler's _Float16
+        getattr(lib, f"mrs_fwd_rows_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+        getattr(lib, f"mrs_bwd_rows_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+        getattr(lib, f"mrs_fwd_sample_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+        getattr(lib, f"mrs_bwd_sample_{suffix}").argtypes = [
+            ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32
+        ]
+        for kind in ("fwd_rows", "bwd_rows", "fwd_sample", "bwd_sample"):
+            getattr(lib, f"mrs_{kind}_{suffix}").restype = None
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                try:
+                    _STATE["lib"] = _build()
+                except Exception as err:  # no compiler, no OpenMP, unwritable cache...
+                    _STATE["lib"] = None
+                    _STATE["error"] = f"{type(err).__name__}: {err}"
+                    warnings.warn(
+                        "lightning_mrs: building the one-pass CPU kernels failed, using the "
+                        f"Inductor kernels instead ({_STATE['error'][:400]}). Install a C++ "
+                        "compiler with OpenMP, or set LIGHTNING_MRS_CPU_KERNELS=0 to skip "
+                        "the build.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+    return _STATE["lib"]  # type: ignore[return-value]
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels for ``dtype`` can run here (builds the library on the first
+    call; float16 needs a compiler with ``_Float16``)."""
+    if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0" or dtype not in _SUFFIX:
+        return False
+    lib = _lib()
+    return lib is not None and hasattr(lib, f"mrs_fwd_rows_{_SUFFIX[dtype]}")
+
+
+def build_error() -> Optional[str]:
+    """Why the library could not be built, or ``None``."""
+    return _STATE.get("error")  # type: ignore[return-value]
+
+
+def supports(x3: Tensor, last: bool, spatial: bool) -> bool:
+    """A kernel exists for this canonical view (see :mod:`lightning_mrs.fused`): a dense CPU
+    tensor of float32/bfloat16/float16, channels contiguous with one ``S`` per position, or
+    positions contiguous with one ``S`` per sample. Does not build the library."""
+    if x3.device.type != "cpu" or x3.dtype not in _SUFFIX or not x3.is_contiguous():
+        return False
+    if last:  # (A, L, C): one S per row unless spatial with L > 1 (the Inductor kernel)
+        return not spatial or x3.shape[1] == 1
+    return spatial  # (A, C, L) per position: the Inductor kernel
+
+
+def _fn(kind: str, dtype: torch.dtype):
+    lib = _lib()
+    name = f"mrs_{kind}_{_SUFFIX[dtype]}"
+    if lib is None or not hasattr(lib, name):
+        raise RuntimeError(f"lightning_mrs: CPU kernel {name} is not available ({build_error()})")
+    return getattr(lib, name)
+
+
+def _w(w2: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[int]]:
+    if w2 is None:
+        return None, None
+    w = w2.detach().to(torch.float32).contiguous()  # (C,)
+    return w, w.data_ptr()
+
+
+def forward(x3: Tensor, w2: Optional[Tensor], eps: float, last: bool) -> tuple[Tensor, Tensor]:
+    """``(y3, r_sum)`` for a view accepted by :func:`supports` (``r_sum = P * S``, float32,
+    shaped like the Inductor kernels' so both backwards accept it)."""
+    a, m, n = x3.shape  # (R, 1, C) if last else (A, C, L)
+    y3 = torch.empty_like(x3)
+    w, wp = _w(w2)
+    nt = torch.get_num_threads()
+    if last:
+        r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (R, 1, 1)
+        _fn("fwd_rows", x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a * m, n, eps, nt)
+    else:
+        r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (A, 1, 1)
+        _fn("fwd_sample", x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a, m, n, eps, nt)
+    del w  # kept alive until here: the kernel reads it
+    return y3, r_sum
+
+
+def backward(
+    x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, last: bool
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``(dx3, dw)`` for ``g3`` with the same (dense) layout as ``x3``; ``dw`` is ``(P,)``
+    float32, or ``None`` without a weight."""
+    a, m, n = x3.shape
+    g3 = g3.contiguous()
+    rs = r_sum.to(torch.float32).contiguous()
+    dx3 = torch.empty_like(x3)
+    w, wp = _w(w2)
+    c = n if last else m
+    dw = torch.empty(c // 2, dtype=torch.float32) if w is not None else None
+    dwp = dw.data_ptr() if dw is not None else None
+    nt = torch.get_num_threads()
+    if last:
+        _fn("bwd_rows", x3.dtype)(x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a * m, n, eps, nt)
+    else:
+        _fn("bwd_sample", x3.dtype)(x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a, m, n, eps, nt)
+    del w
+    return dx3, dw
