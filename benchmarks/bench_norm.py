@@ -1,8 +1,9 @@
 """Forward+backward time and saved-activation memory of MRSNorm against native norms.
 
 Every case times, interleaved in one process (so machine noise hits all rows alike), the
-default ``MRSNorm``/``MRSNorm2d`` module, its native counterpart (the ratio's denominator)
-and peers: the eager MRS formula, ``F.rms_norm`` eager and compiled. Saved memory is the sum
+default ``MRSNorm``/``MRSNorm2d`` module (on the CPU: the hand-written ``cpp`` kernels where
+they cover the layout), its native counterpart (the ratio's denominator) and peers: the
+Inductor-compiled MRS kernels, the eager MRS formula, ``F.rms_norm`` eager and compiled. Saved memory is the sum
 of the unique storages packed by ``torch.autograd.graph.saved_tensors_hooks`` for one
 forward.
 
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d
+from lightning_mrs import kernels_cpu
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -79,7 +81,8 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
             {
                 "MRSNorm (default)": lambda c=c: MRSNorm(c),
                 "nn.LayerNorm": lambda c=c: nn.LayerNorm(c),
-                "MRSNorm eager formula": lambda c=c: _eager(MRSNorm(c)),
+                "MRSNorm inductor": lambda c=c: _backend(MRSNorm(c), "inductor"),
+                "MRSNorm eager formula": lambda c=c: _backend(MRSNorm(c), "eager"),
                 "F.rms_norm eager": lambda c=c: nn.RMSNorm(c),
                 "F.rms_norm compiled": lambda c=c: _Compiled(nn.RMSNorm(c)),
             },
@@ -92,7 +95,7 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
             {
                 "MRSNorm2d (default)": lambda: MRSNorm2d(64),
                 "timm LayerNorm2d": lambda: LayerNorm2d(64),
-                "MRSNorm2d eager formula": lambda: _eager(MRSNorm2d(64)),
+                "MRSNorm2d eager formula": lambda: _backend(MRSNorm2d(64), "eager"),
             },
             "timm LayerNorm2d",
         )
@@ -101,15 +104,16 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
         {
             "MRSNorm2d spatial (default)": lambda: MRSNorm2d(64, spatial=True),
             "nn.GroupNorm(1, C)": lambda: nn.GroupNorm(1, 64),
-            "MRSNorm2d spatial eager formula": lambda: _eager(MRSNorm2d(64, spatial=True)),
+            "MRSNorm2d spatial inductor": lambda: _backend(MRSNorm2d(64, spatial=True), "inductor"),
+            "MRSNorm2d spatial eager formula": lambda: _backend(MRSNorm2d(64, spatial=True), "eager"),
         },
         "nn.GroupNorm(1, C)",
     )
     return out
 
 
-def _eager(m: nn.Module) -> nn.Module:
-    m.backend = "eager"
+def _backend(m: nn.Module, backend: str) -> nn.Module:
+    m.backend = backend
     return m
 
 
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
           f"{args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
           f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
+    cpp = "built" if kernels_cpu.available() else f"unavailable ({kernels_cpu.build_error()})"
+    print(f"hand-written CPU kernels (the default's 'cpp' backend): {cpp}")
     results = []
     hdr = (f"{'case':20s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
            f"{'min x':>6s} {'saved MiB':>9s} {'mem x':>6s}")

@@ -6,7 +6,7 @@ group (``P * S``, from which the backward takes ``1/S``) and calls one fused for
 four implementations:
 
 * ``"cpp"``: the hand-written one-pass CPU kernels of :mod:`lightning_mrs.kernels_cpu`
-  (channels-contiguous per position, and per sample with the positions contiguous);
+  (channels contiguous, both modes; positions contiguous, per sample);
 * ``"inductor"``: the bodies of :mod:`lightning_mrs.kernels_inductor` compiled by Inductor
   (C++/OpenMP on the CPU, Triton on a GPU), compiled on first use;
 * ``"triton"``: the hand-written kernels of :mod:`lightning_mrs.kernels_triton` (CUDA);
@@ -222,7 +222,7 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
     ``"auto"``: the eager formula under ``torch.compile`` (the outer compile fuses it, no
     graph break) and where no canonical view exists; Triton on CUDA when installed
     (``spatial=False``); on the CPU the hand-written kernels (``"cpp"``) for the layouts
-    they cover (channels contiguous per position, positions contiguous per sample), else
+    they cover (channels contiguous; positions contiguous with ``spatial=True``), else
     Inductor for float32/16/bf16 tensors of at least ``COMPILE_MIN_NUMEL`` elements; else
     the eager-bodied ``"function"``.
     """
@@ -242,8 +242,8 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
         if not _cpp_ok(x, cd, spatial):
             raise ValueError(
                 "mrs_norm(backend='cpp') needs a dense float32/float16/bfloat16 CPU tensor with "
-                "the channels contiguous and spatial=False, or positions contiguous and "
-                f"spatial=True, and a C++ compiler ({kc.build_error() or 'layout not covered'}); "
+                "the channels contiguous, or the positions contiguous and spatial=True, and a "
+                f"C++ compiler ({kc.build_error() or 'layout not covered'}); "
                 "use backend='auto' to pick the best available kernel."
             )
         return "cpp"

@@ -3,8 +3,9 @@
 Two layouts have a kernel here, the two where Inductor's code falls short of torch's native
 norms (see the source's header for why):
 
-* ``rows``: ``(R, C)`` with the channels contiguous and one ``S`` per row (tokens, NHWC /
-  ``channels_last`` per position) - the peer of ``nn.LayerNorm``;
+* ``rows``: ``(G, L, C)`` with the channels contiguous and one ``S`` per group of ``L`` rows
+  (tokens and NHWC / ``channels_last`` per position with ``L = 1`` - the peer of
+  ``nn.LayerNorm``; NHWC per sample with ``L`` = positions);
 * ``sample``: ``(A, C, L)`` with the positions contiguous and one ``S`` per sample (NCHW
   per sample) - the peer of ``nn.GroupNorm(1, C)``.
 
@@ -111,14 +112,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for suffix in _SUFFIX.values():
         if not hasattr(lib, f"mrs_fwd_rows_{suffix}"):
             continue  # float16 needs the compiler's _Float16
-        getattr(lib, f"mrs_fwd_rows_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
-        getattr(lib, f"mrs_bwd_rows_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
-        getattr(lib, f"mrs_fwd_sample_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
-        getattr(lib, f"mrs_bwd_sample_{suffix}").argtypes = [
-            ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32
-        ]
-        for kind in ("fwd_rows", "bwd_rows", "fwd_sample", "bwd_sample"):
-            getattr(lib, f"mrs_{kind}_{suffix}").restype = None
+        for kind in ("rows", "sample"):  # same signatures: (x[, g], w2, ..., A, ., ., eps, nt)
+            fwd, bwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}"), getattr(lib, f"mrs_bwd_{kind}_{suffix}")
+            fwd.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+            bwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+            fwd.restype = bwd.restype = None
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -157,13 +155,11 @@ def build_error() -> Optional[str]:
 
 def supports(x3: Tensor, last: bool, spatial: bool) -> bool:
     """A kernel exists for this canonical view (see :mod:`lightning_mrs.fused`): a dense CPU
-    tensor of float32/bfloat16/float16, channels contiguous with one ``S`` per position, or
-    positions contiguous with one ``S`` per sample. Does not build the library."""
+    tensor of float32/bfloat16/float16 with the channels contiguous, or with the positions
+    contiguous and one ``S`` per sample. Does not build the library."""
     if x3.device.type != "cpu" or x3.dtype not in _SUFFIX or not x3.is_contiguous():
         return False
-    if last:  # (A, L, C): one S per row unless spatial with L > 1 (the Inductor kernel)
-        return not spatial or x3.shape[1] == 1
-    return spatial  # (A, C, L) per position: the Inductor kernel
+    return last or spatial  # (A, C, L) per position: the Inductor kernel
 
 
 def _fn(kind: str, dtype: torch.dtype):
@@ -184,16 +180,12 @@ def _w(w2: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[int]]:
 def forward(x3: Tensor, w2: Optional[Tensor], eps: float, last: bool) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` for a view accepted by :func:`supports` (``r_sum = P * S``, float32,
     shaped like the Inductor kernels' so both backwards accept it)."""
-    a, m, n = x3.shape  # (R, 1, C) if last else (A, C, L)
+    a, m, n = x3.shape  # (A, L, C) if last else (A, C, L): one S per a
     y3 = torch.empty_like(x3)
+    r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (A, 1, 1)
     w, wp = _w(w2)
-    nt = torch.get_num_threads()
-    if last:
-        r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (R, 1, 1)
-        _fn("fwd_rows", x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a * m, n, eps, nt)
-    else:
-        r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (A, 1, 1)
-        _fn("fwd_sample", x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a, m, n, eps, nt)
+    kind = "fwd_rows" if last else "fwd_sample"
+    _fn(kind, x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a, m, n, eps, torch.get_num_threads())
     del w  # kept alive until here: the kernel reads it
     return y3, r_sum
 
@@ -211,10 +203,9 @@ def backward(
     c = n if last else m
     dw = torch.empty(c // 2, dtype=torch.float32) if w is not None else None
     dwp = dw.data_ptr() if dw is not None else None
-    nt = torch.get_num_threads()
-    if last:
-        _fn("bwd_rows", x3.dtype)(x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a * m, n, eps, nt)
-    else:
-        _fn("bwd_sample", x3.dtype)(x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a, m, n, eps, nt)
+    kind = "bwd_rows" if last else "bwd_sample"
+    _fn(kind, x3.dtype)(
+        x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a, m, n, eps, torch.get_num_threads()
+    )
     del w
     return dx3, dw

@@ -28,6 +28,8 @@ TOLS = {  # (atol, rtol) for outputs of size ~1
 # name -> (shape, channel_dim, spatial, memory_format); odd sizes on purpose
 LAYOUTS = {
     "tokens": ((5, 7, 64), -1, False, None),
+    "tokens_per_sample": ((3, 7, 64), -1, True, None),
+    "nhwc_per_sample": ((3, 64, 5, 7), 1, True, torch.channels_last),
     "rows_one_pair": ((9, 2), -1, False, None),  # P = 1
     "rows_odd_pairs": ((1, 3, 30), -1, False, None),  # 15 phasors: a SIMD tail
     "wide_rows": ((3, 4098), -1, False, None),
@@ -92,7 +94,7 @@ def test_cpp_equals_the_inductor_bodies_run_eagerly():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["tokens", "nchw_per_sample"])
+@pytest.mark.parametrize("layout", ["tokens", "nhwc_per_sample", "nchw_per_sample"])
 def test_results_do_not_depend_on_the_thread_count(layout):
     shape, cd, spatial, mf = LAYOUTS[layout]
     x, w, gy = _inputs(shape, cd, mf, torch.float32)
@@ -134,13 +136,13 @@ def test_auto_picks_cpp_only_for_the_layouts_it_covers():
     assert fused.resolve_backend(big.contiguous(memory_format=torch.channels_last), 1, False, "auto") == "cpp"
     assert fused.resolve_backend(big, 1, False, "auto") != "cpp"  # NCHW per position: Inductor
     nhwc = big.contiguous(memory_format=torch.channels_last)
-    assert fused.resolve_backend(nhwc, 1, True, "auto") != "cpp"  # NHWC per sample: Inductor
+    assert fused.resolve_backend(nhwc, 1, True, "auto") == "cpp"  # NHWC per sample
     assert fused.resolve_backend(big.double(), 1, True, "auto") != "cpp"  # float64
     assert fused.resolve_backend(torch.randn(8, 64)[:, ::2], 1, False, "auto") != "cpp"  # strided
 
 
 def test_explicit_cpp_on_an_uncovered_layout_says_what_it_needs():
-    with pytest.raises(ValueError, match="channels contiguous and spatial=False"):
+    with pytest.raises(ValueError, match="channels contiguous, or the positions contiguous"):
         mrs_norm(torch.randn(2, 8, 3, 3), channel_dim=1, backend="cpp")  # NCHW per position
 
 

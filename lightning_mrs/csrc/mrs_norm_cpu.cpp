@@ -11,7 +11,8 @@
 // g and x are read from memory once.
 //
 // Layouts (row-major, dense):
-//   *_rows:   (R, C), channels contiguous, one S per row (tokens, NHWC per position).
+//   *_rows:   (G, L, C), channels contiguous, one S per group of L rows (tokens and NHWC
+//             per position: L = 1; NHWC per sample: L = positions).
 //   *_sample: (A, C, L), positions contiguous, one S per sample (NCHW per sample).
 // Channel c belongs to phasor c / 2. Accumulation is in float32 for every input dtype;
 // w2 is the per-channel gain (C,) in float32 or null; rsum holds P * S per group.
@@ -53,29 +54,37 @@ inline float ld(f16 v) { return static_cast<float>(v); }
 inline void st(f16* p, float v) { *p = static_cast<f16>(v); }
 #endif
 
-// ---- channels contiguous, one S per row -----------------------------------------------
+// ---- channels contiguous: G groups of L rows of C, one S per group ----------------------
 template <typename T>
-void fwd_rows(const T* x, const float* w2, T* y, float* rsum, int64_t rows, int64_t C,
+void fwd_rows(const T* x, const float* w2, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
               float eps, int nt) {
   const int64_t P = C / 2;
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
 #pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t a = 0; a < rows; ++a) {
-    const T* xr = x + a * C;
-    T* yr = y + a * C;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t p = 0; p < P; ++p) {
-      const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-      s += std::sqrt(x0 * x0 + x1 * x1 + eps);
+  for (int64_t a = 0; a < G; ++a) {
+    float s = 0.f;  // row by row: short float sums, then their total
+    for (int64_t l = 0; l < L; ++l) {
+      const T* xr = x + (a * L + l) * C;
+      float sr = 0.f;
+#pragma omp simd reduction(+ : sr)
+      for (int64_t p = 0; p < P; ++p) {
+        const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+        sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+      }
+      s += sr;
     }
     rsum[a] = s;
-    const float inv = static_cast<float>(P) / s;
-    if (w2) {
+    const float inv = n_pairs / s;
+    for (int64_t l = 0; l < L; ++l) {
+      const T* xr = x + (a * L + l) * C;
+      T* yr = y + (a * L + l) * C;
+      if (w2) {
 #pragma omp simd
-      for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv * w2[j]);
-    } else {
+        for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv * w2[j]);
+      } else {
 #pragma omp simd
-      for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv);
+        for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv);
+      }
     }
   }
 }
@@ -91,46 +100,54 @@ void reduce_dw(const std::vector<float>& acc, int nt, int64_t C, float* dw) {
 
 template <typename T>
 void bwd_rows(const T* x, const T* g, const float* w2, const float* rsum, T* dx, float* dw,
-              int64_t rows, int64_t C, float eps, int nt) {
+              int64_t G, int64_t L, int64_t C, float eps, int nt) {
   const int64_t P = C / 2;
-  const float fp = static_cast<float>(P);
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
   std::vector<float> acc(w2 ? static_cast<size_t>(nt) * C : 0, 0.f);  // per-thread dw (C,)
 #pragma omp parallel num_threads(nt)
   {
     float* my = w2 ? acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
 #pragma omp for schedule(static)
-    for (int64_t a = 0; a < rows; ++a) {
-      const T* xr = x + a * C;
-      const T* gr = g + a * C;
-      T* dr = dx + a * C;
-      const float inv_s = fp / rsum[a];
-      float c = 0.f;  // sum_k w g x over the row
-      if (w2) {
-#pragma omp simd reduction(+ : c)
-        for (int64_t j = 0; j < C; ++j) c += w2[j] * ld(gr[j]) * ld(xr[j]);
-      } else {
-#pragma omp simd reduction(+ : c)
-        for (int64_t j = 0; j < C; ++j) c += ld(gr[j]) * ld(xr[j]);
-      }
-      const float k = c * inv_s * inv_s / fp;  // dx = w g / S - k x / r
-      if (w2) {
-#pragma omp simd
-        for (int64_t p = 0; p < P; ++p) {
-          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-          const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
-          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-          st(dr + 2 * p, w2[2 * p] * g0 * inv_s - kr * x0);
-          st(dr + 2 * p + 1, w2[2 * p + 1] * g1 * inv_s - kr * x1);
-          my[2 * p] += g0 * x0 * inv_s;
-          my[2 * p + 1] += g1 * x1 * inv_s;
+    for (int64_t a = 0; a < G; ++a) {
+      const float inv_s = n_pairs / rsum[a];
+      float c = 0.f;  // sum_k w g x over the group
+      for (int64_t l = 0; l < L; ++l) {
+        const T* xr = x + (a * L + l) * C;
+        const T* gr = g + (a * L + l) * C;
+        float cr = 0.f;
+        if (w2) {
+#pragma omp simd reduction(+ : cr)
+          for (int64_t j = 0; j < C; ++j) cr += w2[j] * ld(gr[j]) * ld(xr[j]);
+        } else {
+#pragma omp simd reduction(+ : cr)
+          for (int64_t j = 0; j < C; ++j) cr += ld(gr[j]) * ld(xr[j]);
         }
-      } else {
+        c += cr;
+      }
+      const float k = c * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
+      for (int64_t l = 0; l < L; ++l) {
+        const T* xr = x + (a * L + l) * C;
+        const T* gr = g + (a * L + l) * C;
+        T* dr = dx + (a * L + l) * C;
+        if (w2) {
 #pragma omp simd
-        for (int64_t p = 0; p < P; ++p) {
-          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-          st(dr + 2 * p, ld(gr[2 * p]) * inv_s - kr * x0);
-          st(dr + 2 * p + 1, ld(gr[2 * p + 1]) * inv_s - kr * x1);
+          for (int64_t p = 0; p < P; ++p) {
+            const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+            const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
+            const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+            st(dr + 2 * p, w2[2 * p] * g0 * inv_s - kr * x0);
+            st(dr + 2 * p + 1, w2[2 * p + 1] * g1 * inv_s - kr * x1);
+            my[2 * p] += g0 * x0 * inv_s;
+            my[2 * p + 1] += g1 * x1 * inv_s;
+          }
+        } else {
+#pragma omp simd
+          for (int64_t p = 0; p < P; ++p) {
+            const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+            const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+            st(dr + 2 * p, ld(gr[2 * p]) * inv_s - kr * x0);
+            st(dr + 2 * p + 1, ld(gr[2 * p + 1]) * inv_s - kr * x1);
+          }
         }
       }
     }
@@ -227,14 +244,14 @@ void bwd_sample(const T* x, const T* g, const float* w2, const float* rsum, T* d
 
 #define MRS_EXPORT(SUFFIX, T)                                                                \
   extern "C" void mrs_fwd_rows_##SUFFIX(const void* x, const float* w2, void* y, float* rs, \
-                                        int64_t rows, int64_t C, float eps, int nt) {      \
-    fwd_rows(static_cast<const T*>(x), w2, static_cast<T*>(y), rs, rows, C, eps, nt);      \
+                                        int64_t G, int64_t L, int64_t C, float eps, int nt) {   \
+    fwd_rows(static_cast<const T*>(x), w2, static_cast<T*>(y), rs, G, L, C, eps, nt);      \
   }                                                                                        \
   extern "C" void mrs_bwd_rows_##SUFFIX(const void* x, const void* g, const float* w2,     \
-                                        const float* rs, void* dx, float* dw, int64_t rows, \
-                                        int64_t C, float eps, int nt) {                    \
+                                        const float* rs, void* dx, float* dw, int64_t G,    \
+                                        int64_t L, int64_t C, float eps, int nt) {         \
     bwd_rows(static_cast<const T*>(x), static_cast<const T*>(g), w2, rs,                   \
-             static_cast<T*>(dx), dw, rows, C, eps, nt);                                   \
+             static_cast<T*>(dx), dw, G, L, C, eps, nt);                                   \
   }                                                                                        \
   extern "C" void mrs_fwd_sample_##SUFFIX(const void* x, const float* w2, void* y,          \
                                           float* rs, int64_t A, int64_t C, int64_t L,       \
