@@ -69,7 +69,15 @@ def _cache_dir() -> Path:
     if root:
         return Path(root)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lightning_mrs"
+    folder = Path(base) / "lightning_mrs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    # a read-only home (containers): a per-user folder in the temp dir
+    return Path(tempfile.gettempdir()) / f"lightning_mrs_{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def _flag_sets() -> list[list[str]]:

@@ -7,6 +7,7 @@ build cache; and the fallback when no compiler is there.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -205,3 +206,16 @@ def test_env_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("LIGHTNING_MRS_CPU_KERNELS", "0")
     assert not kc.available()
     assert fused.resolve_backend(torch.randn(16, 64), 1, False, "auto") != "cpp"
+
+
+def test_unwritable_home_builds_in_the_temp_dir(fresh_build, monkeypatch, tmp_path):
+    monkeypatch.delenv("LIGHTNING_MRS_CACHE")
+    home_cache = tmp_path / "home_cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home_cache))
+    real_access = os.access
+    # read-only home (root ignores chmod, so the check itself is simulated)
+    monkeypatch.setattr(kc.os, "access", lambda p, mode: False if str(p).startswith(str(home_cache)) else real_access(p, mode))
+    monkeypatch.setattr(kc.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert kc._cache_dir().parent == tmp_path / "tmp"
+    assert kc.available()
+    assert list((tmp_path / "tmp").glob("lightning_mrs_*/mrs_norm_cpu_*.so"))
