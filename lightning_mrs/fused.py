@@ -208,7 +208,7 @@ def _triton_ok(x: Tensor, spatial: bool, explicit: bool = False) -> bool:
 
 def _cpp_ok(x: Tensor, cd: int, spatial: bool) -> bool:
     """A hand-written CPU kernel covers this layout and dtype (builds it on first use)."""
-    if x.device.type != "cpu" or x.dtype not in _COMPILE_DTYPES:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not (x.is_contiguous() or x.movedim(cd, -1).is_contiguous()):
         return False  # no canonical view without a copy
@@ -241,7 +241,7 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
     if backend == "cpp":
         if not _cpp_ok(x, cd, spatial):
             raise ValueError(
-                "mrs_norm(backend='cpp') needs a dense float32/float16/bfloat16 CPU tensor with "
+                "mrs_norm(backend='cpp') needs a dense float32/bfloat16 CPU tensor with "
                 "the channels contiguous, or the positions contiguous and spatial=True, and a "
                 f"C++ compiler ({kc.build_error() or 'layout not covered'}); "
                 "use backend='auto' to pick the best available kernel."

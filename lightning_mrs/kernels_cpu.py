@@ -41,7 +41,7 @@ from torch import Tensor
 __all__ = ["available", "build_error", "supports", "forward", "backward"]
 
 SOURCE = Path(__file__).with_name("csrc") / "mrs_norm_cpu.cpp"
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # float16: see the source
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": ctypes.CDLL or None, "error": str
 
@@ -118,8 +118,6 @@ def _build() -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for suffix in _SUFFIX.values():
-        if not hasattr(lib, f"mrs_fwd_rows_{suffix}"):
-            continue  # float16 needs the compiler's _Float16
         for kind in ("rows", "sample"):  # same signatures: (x[, g], w2, ..., A, ., ., eps, nt)
             fwd, bwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}"), getattr(lib, f"mrs_bwd_{kind}_{suffix}")
             fwd.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
@@ -148,8 +146,8 @@ def _lib() -> Optional[ctypes.CDLL]:
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernels for ``dtype`` can run here (builds the library on the first
-    call; float16 needs a compiler with ``_Float16``)."""
+    """Whether the kernels for ``dtype`` (float32, bfloat16) can run here (builds the
+    library on the first call)."""
     if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0" or dtype not in _SUFFIX:
         return False
     lib = _lib()
@@ -163,7 +161,7 @@ def build_error() -> Optional[str]:
 
 def supports(x3: Tensor, last: bool, spatial: bool) -> bool:
     """A kernel exists for this canonical view (see :mod:`lightning_mrs.fused`): a dense CPU
-    tensor of float32/bfloat16/float16 with the channels contiguous, or with the positions
+    tensor of float32/bfloat16 with the channels contiguous, or with the positions
     contiguous and one ``S`` per sample. Does not build the library."""
     if x3.device.type != "cpu" or x3.dtype not in _SUFFIX or not x3.is_contiguous():
         return False
