@@ -140,8 +140,8 @@ class MRSNormFunction(torch.autograd.Function):
     """MRSNorm with a hand-written backward that needs only ``x`` and one scale per group.
 
     ``apply(x, weight, eps, channel_dim, spatial, impl)`` with ``channel_dim >= 0`` and
-    ``impl`` one of ``"cpp"``, ``"inductor"``, ``"triton"``, ``"function"``. The kernels see a 3-d view
-    of ``x`` (:func:`to_canonical`); the output is handed back as a fresh tensor, not as a
+    ``impl`` one of ``"cpp"``, ``"inductor"``, ``"triton"``, ``"function"``. The kernels see
+    a 3-d view of ``x`` (:func:`to_canonical`); the output is handed back as a fresh tensor, not as a
     view of the kernel's buffer, so in-place ops on it (``relu_``, ``out += identity``) need
     no CopySlices copies in the backward. Double backward (``create_graph=True``)
     recomputes the forward with differentiable torch ops, so gradgradcheck works too.
@@ -243,7 +243,7 @@ def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:
             raise ValueError(
                 "mrs_norm(backend='cpp') needs a dense float32/bfloat16 CPU tensor with "
                 "the channels contiguous, or the positions contiguous and spatial=True, and a "
-                f"C++ compiler ({kc.build_error() or 'layout not covered'}); "
+                f"C++ compiler ({kc.build_error() or f'got {x.dtype}, strides {x.stride()}, spatial={spatial}'}); "
                 "use backend='auto' to pick the best available kernel."
             )
         return "cpp"

@@ -51,7 +51,8 @@ def _cpu_signature() -> str:
     machine must not be loaded on another (shared home folders on a cluster)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
-        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+        keys = ("model name", "flags", "Features")
+        keep = [ln for ln in text.splitlines() if ln.startswith(keys)]
         return "\n".join(sorted(set(keep)))
     except OSError:
         return platform.processor() or platform.machine()
@@ -77,7 +78,8 @@ def _cache_dir() -> Path:
     except OSError:
         pass
     # a read-only home (containers): a per-user folder in the temp dir
-    return Path(tempfile.gettempdir()) / f"lightning_mrs_{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"lightning_mrs_{user}"
 
 
 def _flag_sets() -> list[list[str]]:
@@ -93,9 +95,8 @@ def _build() -> ctypes.CDLL:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     errors = []
     for flags in _flag_sets():
-        key = hashlib.sha256(
-            b"\0".join([source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()])
-        ).hexdigest()[:20]
+        parts = [source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
         target = _cache_dir() / f"mrs_norm_cpu_{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +104,8 @@ def _build() -> ctypes.CDLL:
             # build a complete file and the rename is atomic, so no lock is needed.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
-            proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            cmd = [cxx, *flags, str(SOURCE), "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 os.unlink(tmp)
                 errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
@@ -119,7 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for suffix in _SUFFIX.values():
         for kind in ("rows", "sample"):  # same signatures: (x[, g], w2, ..., A, ., ., eps, nt)
-            fwd, bwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}"), getattr(lib, f"mrs_bwd_{kind}_{suffix}")
+            fwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}")
+            bwd = getattr(lib, f"mrs_bwd_{kind}_{suffix}")
             fwd.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
             bwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
             fwd.restype = bwd.restype = None
@@ -191,7 +194,8 @@ def forward(x3: Tensor, w2: Optional[Tensor], eps: float, last: bool) -> tuple[T
     r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (A, 1, 1)
     w, wp = _w(w2)
     kind = "fwd_rows" if last else "fwd_sample"
-    _fn(kind, x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a, m, n, eps, torch.get_num_threads())
+    nt = torch.get_num_threads()
+    _fn(kind, x3.dtype)(x3.data_ptr(), wp, y3.data_ptr(), r_sum.data_ptr(), a, m, n, eps, nt)
     del w  # kept alive until here: the kernel reads it
     return y3, r_sum
 
@@ -210,8 +214,8 @@ def backward(
     dw = torch.empty(c // 2, dtype=torch.float32) if w is not None else None
     dwp = dw.data_ptr() if dw is not None else None
     kind = "bwd_rows" if last else "bwd_sample"
-    _fn(kind, x3.dtype)(
-        x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp, a, m, n, eps, torch.get_num_threads()
-    )
+    nt = torch.get_num_threads()
+    ptrs = (x3.data_ptr(), g3.data_ptr(), wp, rs.data_ptr(), dx3.data_ptr(), dwp)
+    _fn(kind, x3.dtype)(*ptrs, a, m, n, eps, nt)
     del w
     return dx3, dw
