@@ -20,15 +20,8 @@ from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
 from lightning_mrs import fused
 from lightning_mrs import kernels_cpu as kc
 from lightning_mrs import kernels_inductor as ki
+from fused_checks import TOLS, check_against_reference, grads, make_inputs, saved_bytes
 from mrs_reference import mrs_norm_ref
-
-# (atol, rtol) per dtype, relative to outputs/gradients of size ~1
-TOLS = {
-    torch.float64: (1e-9, 1e-9),
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (3e-2, 3e-2),
-    torch.float16: (4e-3, 4e-3),
-}
 
 # name -> (shape, channel_dim, spatial, memory_format); odd sizes on purpose
 LAYOUTS = {
@@ -42,42 +35,8 @@ LAYOUTS = {
 }
 
 
-def _inputs(shape, cd, memory_format, dtype, affine=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
-    if memory_format is not None:
-        x = x.contiguous(memory_format=memory_format)
-    c = shape[cd]
-    w = (torch.rand(c // 2, generator=g, dtype=torch.float64) + 0.5).to(dtype) if affine else None
-    gy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-    return x, w, gy
-
-
-def _grads(fn, x, w, gy):
-    x = x.detach().requires_grad_()
-    w = w.detach().requires_grad_() if w is not None else None
-    y = fn(x, w)
-    y.backward(gy)
-    return y, x.grad, (w.grad if w is not None else None)
-
-
 def _check_against_reference(backend, layout, dtype, affine=True):
-    shape, cd, spatial, mf = LAYOUTS[layout]
-    x, w, gy = _inputs(shape, cd, mf, dtype, affine)
-    y, dx, dw = _grads(lambda a, b: mrs_norm(a, b, channel_dim=cd, spatial=spatial, backend=backend), x, w, gy)
-    y_r, dx_r, dw_r = _grads(
-        lambda a, b: mrs_norm_ref(a, b, channel_dim=cd, spatial=spatial), x.double(),
-        None if w is None else w.double(), gy.double(),
-    )
-    atol, rtol = TOLS[dtype]
-    assert y.dtype == dtype and dx.dtype == dtype
-    assert y.shape == x.shape and y.stride() == x.stride()  # memory format kept
-    torch.testing.assert_close(y.double(), y_r, atol=atol, rtol=rtol)
-    torch.testing.assert_close(dx.double(), dx_r, atol=atol * 10, rtol=rtol * 10)
-    if affine:
-        assert dw.dtype == dtype
-        # dw sums over many positions: compare relative to its size
-        torch.testing.assert_close(dw.double(), dw_r, atol=atol * 10 * dw_r.abs().max().item(), rtol=rtol * 10)
+    check_against_reference(backend, LAYOUTS[layout], dtype, affine)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -98,9 +57,9 @@ def test_inductor_without_weight(layout):
 
 def test_inductor_fewer_rows_than_the_dw_block_keeps_the_compiled_path():
     # 5 rows < the 8-row blocks of the dw column sum: must compile, not disable Inductor
-    x, w, gy = _inputs((5, 64), -1, None, torch.float32)
-    y, dx, dw = _grads(lambda a, b: mrs_norm(a, b, backend="inductor"), x, w, gy)
-    y_r, dx_r, dw_r = _grads(mrs_norm_ref, x.double(), w.double(), gy.double())
+    x, w, gy = make_inputs((5, 64), -1, None, torch.float32)
+    y, dx, dw = grads(lambda a, b: mrs_norm(a, b, backend="inductor"), x, w, gy)
+    y_r, dx_r, dw_r = grads(mrs_norm_ref, x.double(), w.double(), gy.double())
     assert ki.compile_failed() is None
     atol, rtol = TOLS[torch.float32]
     torch.testing.assert_close(y.double(), y_r, atol=atol, rtol=rtol)
@@ -119,7 +78,7 @@ def test_function_path_matches_reference(layout, dtype):
 def test_gradcheck_float64_function_path(layout, affine):
     shape, cd, spatial, mf = LAYOUTS[layout]
     shape = tuple(min(s, 3) if i != (cd % len(shape)) else 6 for i, s in enumerate(shape))
-    x, w, _ = _inputs(shape, cd, mf, torch.float64, affine)
+    x, w, _ = make_inputs(shape, cd, mf, torch.float64, affine)
     inputs = (x.requires_grad_(),) + ((w.requires_grad_(),) if affine else ())
     fn = lambda *a: mrs_norm(*a, channel_dim=cd, spatial=spatial, backend="function")  # noqa: E731
     assert gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
@@ -142,19 +101,12 @@ def test_default_modules_pick_the_fused_path_and_save_only_x_and_one_scale_per_g
         cd = -1 if isinstance(norm, MRSNorm) else 1
         spatial = getattr(norm, "spatial", False)
         assert fused.resolve_backend(x, cd % x.ndim, spatial, "auto") == expected
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
         x = x.requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = norm(x)
+        y, nbytes = saved_bytes(norm, x)
         groups = x.shape[0] if spatial else x.numel() // x.shape[cd]
         # x itself + the weight + one fp32/fp64 value per group, nothing else
         budget = x.numel() * x.element_size() + norm.weight.numel() * norm.weight.element_size()
-        assert sum(saved.values()) <= budget + groups * x.element_size()
+        assert nbytes <= budget + groups * x.element_size()
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
 
@@ -240,9 +192,9 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(fresh_compile_stat
         raise RuntimeError("no C++ compiler found (simulated)")
 
     monkeypatch.setattr(ki, "_get", lambda name: broken)
-    x, w, gy = _inputs((5, 7, 64), -1, None, torch.float32)
+    x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
     with pytest.warns(RuntimeWarning, match="falling back to the eager implementation"):
-        y, dx, dw = _grads(lambda a, b: mrs_norm(a, b, backend="inductor"), x, w, gy)
+        y, dx, dw = grads(lambda a, b: mrs_norm(a, b, backend="inductor"), x, w, gy)
     assert "simulated" in ki.compile_failed()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per process, not per call

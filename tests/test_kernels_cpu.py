@@ -16,14 +16,12 @@ import torch
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
 from lightning_mrs import fused
 from lightning_mrs import kernels_cpu as kc
+from fused_checks import check_against_reference, grads, make_inputs, saved_bytes
 from mrs_reference import mrs_norm_ref
 
 pytestmark = pytest.mark.skipif(not kc.available(), reason=f"CPU kernels not built: {kc.build_error()}")
 
-TOLS = {  # (atol, rtol) for outputs of size ~1
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (3e-2, 3e-2),
-}
+CPP_DTYPES = (torch.float32, torch.bfloat16)
 
 # name -> (shape, channel_dim, spatial, memory_format); odd sizes on purpose
 LAYOUTS = {
@@ -41,55 +39,23 @@ LAYOUTS = {
 }
 
 
-def _inputs(shape, cd, memory_format, dtype, affine=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
-    if memory_format is not None:
-        x = x.contiguous(memory_format=memory_format)
-    w = (torch.rand(shape[cd] // 2, generator=g, dtype=torch.float64) + 0.5).to(dtype) if affine else None
-    gy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-    return x, w, gy
-
-
-def _grads(fn, x, w, gy):
-    x = x.detach().requires_grad_()
-    w = w.detach().requires_grad_() if w is not None else None
-    y = fn(x, w)
-    y.backward(gy)
-    return y, x.grad, (w.grad if w is not None else None)
-
-
 def _cpp(cd, spatial):
     return lambda a, b: mrs_norm(a, b, channel_dim=cd, spatial=spatial, backend="cpp")
 
 
 @pytest.mark.parametrize("affine", [True, False])
-@pytest.mark.parametrize("dtype", list(TOLS))
+@pytest.mark.parametrize("dtype", CPP_DTYPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cpp_matches_reference(layout, dtype, affine):
-    shape, cd, spatial, mf = LAYOUTS[layout]
-    x, w, gy = _inputs(shape, cd, mf, dtype, affine)
-    y, dx, dw = _grads(_cpp(cd, spatial), x, w, gy)
-    y_r, dx_r, dw_r = _grads(
-        lambda a, b: mrs_norm_ref(a, b, channel_dim=cd, spatial=spatial),
-        x.double(), None if w is None else w.double(), gy.double(),
-    )
-    atol, rtol = TOLS[dtype]
-    assert y.dtype == dtype and dx.dtype == dtype
-    assert y.stride() == x.stride() and dx.stride() == x.stride()  # memory format kept
-    torch.testing.assert_close(y.double(), y_r, atol=atol, rtol=rtol)
-    torch.testing.assert_close(dx.double(), dx_r, atol=atol * 10, rtol=rtol * 10)
-    if affine:
-        assert dw.dtype == dtype
-        torch.testing.assert_close(dw.double(), dw_r, atol=atol * 10 * dw_r.abs().max().item(), rtol=rtol * 10)
+    check_against_reference("cpp", LAYOUTS[layout], dtype, affine)
 
 
 def test_cpp_equals_the_inductor_bodies_run_eagerly():
     # the two implementations of the same maths (the ``function`` path runs the plain-torch
     # bodies): close to float32 rounding, and the same saved scale
-    x, w, gy = _inputs((33, 128), -1, None, torch.float32)
-    a = _grads(_cpp(-1, False), x, w, gy)
-    b = _grads(lambda u, v: mrs_norm(u, v, backend="function"), x, w, gy)
+    x, w, gy = make_inputs((33, 128), -1, None, torch.float32)
+    a = grads(_cpp(-1, False), x, w, gy)
+    b = grads(lambda u, v: mrs_norm(u, v, backend="function"), x, w, gy)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
@@ -97,13 +63,13 @@ def test_cpp_equals_the_inductor_bodies_run_eagerly():
 @pytest.mark.parametrize("layout", ["tokens", "nhwc_per_sample", "nchw_per_sample"])
 def test_results_do_not_depend_on_the_thread_count(layout):
     shape, cd, spatial, mf = LAYOUTS[layout]
-    x, w, gy = _inputs(shape, cd, mf, torch.float32)
+    x, w, gy = make_inputs(shape, cd, mf, torch.float32)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _grads(_cpp(cd, spatial), x, w, gy)
+        one = grads(_cpp(cd, spatial), x, w, gy)
         torch.set_num_threads(max(2, before))
-        many = _grads(_cpp(cd, spatial), x, w, gy)
+        many = grads(_cpp(cd, spatial), x, w, gy)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one[0], many[0], atol=0, rtol=0)  # per group: same order
@@ -113,7 +79,7 @@ def test_results_do_not_depend_on_the_thread_count(layout):
 
 def test_zeros_give_zeros_and_finite_gradients():
     for shape, cd, spatial in (((4, 64), -1, False), ((2, 8, 3, 3), 1, True)):
-        for dtype in TOLS:
+        for dtype in CPP_DTYPES:
             x = torch.zeros(shape, dtype=dtype, requires_grad=True)
             w = torch.ones(shape[cd] // 2, dtype=dtype, requires_grad=True)
             y = mrs_norm(x, w, channel_dim=cd, spatial=spatial, backend="cpp")
@@ -154,19 +120,16 @@ def test_explicit_cpp_on_an_uncovered_layout_says_what_it_needs():
 
 
 def test_modules_default_to_cpp_and_save_only_x_and_one_scale_per_group():
-    for norm, x in ((MRSNorm(64), torch.randn(40, 64)), (MRSNorm2d(64, spatial=True), torch.randn(3, 64, 5, 7))):
-        saved = {}
-
-        def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
+    for norm, x, cd, spatial in (
+        (MRSNorm(64), torch.randn(40, 64), 1, False),
+        (MRSNorm2d(64, spatial=True), torch.randn(3, 64, 5, 7), 1, True),
+    ):
+        assert fused.resolve_backend(x, cd, spatial, "auto") == "cpp"
         x.requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = norm(x)
+        y, nbytes = saved_bytes(norm, x)
         groups = x.shape[0]
         budget = x.numel() * 4 + norm.weight.numel() * 4 + groups * 4  # x, weight, P*S
-        assert sum(saved.values()) <= budget
+        assert nbytes <= budget
         y.sum().backward()
         assert torch.isfinite(x.grad).all()
 
