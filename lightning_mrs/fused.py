@@ -207,13 +207,11 @@ def _triton_ok(x: Tensor, spatial: bool, explicit: bool = False) -> bool:
 
 
 def _cpp_ok(x: Tensor, cd: int, spatial: bool) -> bool:
-    """A hand-written CPU kernel covers this layout and dtype (builds it on first use)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if not (x.is_contiguous() or x.movedim(cd, -1).is_contiguous()):
-        return False  # no canonical view without a copy
-    can = to_canonical(x, cd, spatial)
-    return kc.supports(can.x3, can.last, spatial) and kc.available(x.dtype)
+    """A hand-written CPU kernel covers this input (builds the kernels on first use)."""
+    last = x.stride(cd) == 1  # as in to_canonical
+    # the canonical view is contiguous exactly when these are (no copy in to_canonical)
+    dense = x.movedim(cd, -1).is_contiguous() if last else x.is_contiguous()
+    return dense and kc.supports(x.device, x.dtype, last, spatial) and kc.available(x.dtype)
 
 
 def resolve_backend(x: Tensor, cd: int, spatial: bool, backend: str) -> str:

@@ -162,13 +162,12 @@ def build_error() -> Optional[str]:
     return _STATE.get("error")  # type: ignore[return-value]
 
 
-def supports(x3: Tensor, last: bool, spatial: bool) -> bool:
-    """A kernel exists for this canonical view (see :mod:`lightning_mrs.fused`): a dense CPU
-    tensor of float32/bfloat16 with the channels contiguous, or with the positions
-    contiguous and one ``S`` per sample. Does not build the library."""
-    if x3.device.type != "cpu" or x3.dtype not in _SUFFIX or not x3.is_contiguous():
-        return False
-    return last or spatial  # (A, C, L) per position: the Inductor kernel
+def supports(device: torch.device, dtype: torch.dtype, last: bool, spatial: bool) -> bool:
+    """A kernel exists for a dense canonical view (see :mod:`lightning_mrs.fused`) of this
+    device and dtype: float32/bfloat16 on the CPU, with the channels contiguous (``last``),
+    or the positions contiguous and one ``S`` per sample. Does not build the library."""
+    # (A, C, L) per position stays with the Inductor kernel
+    return device.type == "cpu" and dtype in _SUFFIX and (last or spatial)
 
 
 def _fn(kind: str, dtype: torch.dtype):
@@ -187,8 +186,8 @@ def _w(w2: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[int]]:
 
 
 def forward(x3: Tensor, w2: Optional[Tensor], eps: float, last: bool) -> tuple[Tensor, Tensor]:
-    """``(y3, r_sum)`` for a view accepted by :func:`supports` (``r_sum = P * S``, float32,
-    shaped like the Inductor kernels' so both backwards accept it)."""
+    """``(y3, r_sum)`` for a contiguous canonical view accepted by :func:`supports`
+    (``r_sum = P * S``, float32, shaped like the Inductor kernels' output)."""
     a, m, n = x3.shape  # (A, L, C) if last else (A, C, L): one S per a
     y3 = torch.empty_like(x3)
     r_sum = torch.empty(a, 1, 1, dtype=torch.float32)  # (A, 1, 1)
