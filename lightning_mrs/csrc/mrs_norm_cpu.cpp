@@ -47,8 +47,36 @@ inline void st(bf16* p, float f) {  // round to nearest even, NaN stays NaN
   p->bits = static_cast<uint16_t>(u >> 16);
 }
 
+// Per-thread weight-gradient rows (nt, C), summed into dw (P,) once all rows are done:
+// no two threads write the same address, and no second pass over x and g is needed.
+class DwBuffers {
+ public:
+  DwBuffers(bool affine, int nt, int64_t C)
+      : nt_(nt), C_(C), acc_(affine ? static_cast<size_t>(nt) * C : 0, 0.f) {}
+  // The calling thread's row, or null without a weight.
+  float* mine() {
+    return acc_.empty() ? nullptr : acc_.data() + static_cast<size_t>(omp_get_thread_num()) * C_;
+  }
+  // dw[p] = sum over threads of both channels of phasor p; nothing without a weight.
+  void reduce(float* dw) const {
+    if (acc_.empty()) return;
+    for (int64_t p = 0; p < C_ / 2; ++p) {
+      float s = 0.f;
+      for (int t = 0; t < nt_; ++t) s += acc_[t * C_ + 2 * p] + acc_[t * C_ + 2 * p + 1];
+      dw[p] = s;
+    }
+  }
+
+ private:
+  int nt_;
+  int64_t C_;
+  std::vector<float> acc_;
+};
+
 // ---- channels contiguous: G groups of L rows of C, one S per group ----------------------
-template <typename T>
+// kAffine: compiled once with and once without the weight, so that the innermost loops
+// carry no branch (w = 1 without a weight, which is exact).
+template <typename T, bool kAffine>
 void fwd_rows(const T* x, const float* w2, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
               float eps, int nt) {
   const int64_t P = C / 2;
@@ -71,35 +99,21 @@ void fwd_rows(const T* x, const float* w2, T* y, float* rsum, int64_t G, int64_t
     for (int64_t l = 0; l < L; ++l) {
       const T* xr = x + (a * L + l) * C;
       T* yr = y + (a * L + l) * C;
-      if (w2) {
 #pragma omp simd
-        for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv * w2[j]);
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv);
-      }
+      for (int64_t j = 0; j < C; ++j) st(yr + j, ld(xr[j]) * inv * (kAffine ? w2[j] : 1.f));
     }
   }
 }
 
-// Sums the per-thread dw buffers (nt, C) into dw (P,): dw[p] = sum over both channels.
-void reduce_dw(const std::vector<float>& acc, int nt, int64_t C, float* dw) {
-  for (int64_t p = 0; p < C / 2; ++p) {
-    float s = 0.f;
-    for (int t = 0; t < nt; ++t) s += acc[t * C + 2 * p] + acc[t * C + 2 * p + 1];
-    dw[p] = s;
-  }
-}
-
-template <typename T>
+template <typename T, bool kAffine>
 void bwd_rows(const T* x, const T* g, const float* w2, const float* rsum, T* dx, float* dw,
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  std::vector<float> acc(w2 ? static_cast<size_t>(nt) * C : 0, 0.f);  // per-thread dw (C,)
+  DwBuffers dwb(kAffine, nt, C);
 #pragma omp parallel num_threads(nt)
   {
-    float* my = w2 ? acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+    float* my = dwb.mine();
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < G; ++a) {
       const float inv_s = n_pairs / rsum[a];
@@ -108,13 +122,8 @@ void bwd_rows(const T* x, const T* g, const float* w2, const float* rsum, T* dx,
         const T* xr = x + (a * L + l) * C;
         const T* gr = g + (a * L + l) * C;
         float cr = 0.f;
-        if (w2) {
 #pragma omp simd reduction(+ : cr)
-          for (int64_t j = 0; j < C; ++j) cr += w2[j] * ld(gr[j]) * ld(xr[j]);
-        } else {
-#pragma omp simd reduction(+ : cr)
-          for (int64_t j = 0; j < C; ++j) cr += ld(gr[j]) * ld(xr[j]);
-        }
+        for (int64_t j = 0; j < C; ++j) cr += (kAffine ? w2[j] : 1.f) * ld(gr[j]) * ld(xr[j]);
         c += cr;
       }
       const float k = c * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
@@ -122,30 +131,22 @@ void bwd_rows(const T* x, const T* g, const float* w2, const float* rsum, T* dx,
         const T* xr = x + (a * L + l) * C;
         const T* gr = g + (a * L + l) * C;
         T* dr = dx + (a * L + l) * C;
-        if (w2) {
 #pragma omp simd
-          for (int64_t p = 0; p < P; ++p) {
-            const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-            const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
-            const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-            st(dr + 2 * p, w2[2 * p] * g0 * inv_s - kr * x0);
-            st(dr + 2 * p + 1, w2[2 * p + 1] * g1 * inv_s - kr * x1);
+        for (int64_t p = 0; p < P; ++p) {
+          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
+          const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
+          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+          st(dr + 2 * p, (kAffine ? w2[2 * p] : 1.f) * g0 * inv_s - kr * x0);
+          st(dr + 2 * p + 1, (kAffine ? w2[2 * p + 1] : 1.f) * g1 * inv_s - kr * x1);
+          if constexpr (kAffine) {
             my[2 * p] += g0 * x0 * inv_s;
             my[2 * p + 1] += g1 * x1 * inv_s;
-          }
-        } else {
-#pragma omp simd
-          for (int64_t p = 0; p < P; ++p) {
-            const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-            const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-            st(dr + 2 * p, ld(gr[2 * p]) * inv_s - kr * x0);
-            st(dr + 2 * p + 1, ld(gr[2 * p + 1]) * inv_s - kr * x1);
           }
         }
       }
     }
   }
-  if (w2) reduce_dw(acc, nt, C, dw);
+  dwb.reduce(dw);
 }
 
 // ---- positions contiguous, one S per sample --------------------------------------------
@@ -187,10 +188,10 @@ void bwd_sample(const T* x, const T* g, const float* w2, const float* rsum, T* d
                 int64_t A, int64_t C, int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  std::vector<float> acc(w2 ? static_cast<size_t>(nt) * C : 0, 0.f);  // per-thread dw (C,)
+  DwBuffers dwb(w2 != nullptr, nt, C);
 #pragma omp parallel num_threads(nt)
   {
-    float* my = w2 ? acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+    float* my = dwb.mine();
     std::vector<float> gxs(C);  // per channel sum_l g x / S of this sample
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < A; ++a) {
@@ -230,7 +231,7 @@ void bwd_sample(const T* x, const T* g, const float* w2, const float* rsum, T* d
         for (int64_t ch = 0; ch < C; ++ch) my[ch] += gxs[ch];
     }
   }
-  if (w2) reduce_dw(acc, nt, C, dw);
+  dwb.reduce(dw);
 }
 
 }  // namespace
@@ -238,13 +239,15 @@ void bwd_sample(const T* x, const T* g, const float* w2, const float* rsum, T* d
 #define MRS_EXPORT(SUFFIX, T)                                                                \
   extern "C" void mrs_fwd_rows_##SUFFIX(const void* x, const float* w2, void* y, float* rs, \
                                         int64_t G, int64_t L, int64_t C, float eps, int nt) {   \
-    fwd_rows(static_cast<const T*>(x), w2, static_cast<T*>(y), rs, G, L, C, eps, nt);      \
+    (w2 ? fwd_rows<T, true> : fwd_rows<T, false>)(static_cast<const T*>(x), w2,             \
+                                                  static_cast<T*>(y), rs, G, L, C, eps, nt); \
   }                                                                                        \
   extern "C" void mrs_bwd_rows_##SUFFIX(const void* x, const void* g, const float* w2,     \
                                         const float* rs, void* dx, float* dw, int64_t G,    \
                                         int64_t L, int64_t C, float eps, int nt) {         \
-    bwd_rows(static_cast<const T*>(x), static_cast<const T*>(g), w2, rs,                   \
-             static_cast<T*>(dx), dw, G, L, C, eps, nt);                                   \
+    (w2 ? bwd_rows<T, true> : bwd_rows<T, false>)(static_cast<const T*>(x),                 \
+                                                  static_cast<const T*>(g), w2, rs,        \
+                                                  static_cast<T*>(dx), dw, G, L, C, eps, nt); \
   }                                                                                        \
   extern "C" void mrs_fwd_sample_##SUFFIX(const void* x, const float* w2, void* y,          \
                                           float* rs, int64_t A, int64_t C, int64_t L,       \
