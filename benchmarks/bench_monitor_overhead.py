@@ -41,7 +41,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import GradientHomogeneityMonitor
+from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from lightning_mrs import swap_norms
 
 INTERVAL = 50

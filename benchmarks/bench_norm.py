@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d
-from lightning_mrs import kernels_cpu
+from lightning_mrs.ops import cpu_kernels
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
           f"{args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
           f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
-    cpp = "built" if kernels_cpu.available() else f"unavailable ({kernels_cpu.build_error()})"
+    cpp = "built" if cpu_kernels.available() else f"unavailable ({cpu_kernels.build_error()})"
     print(f"hand-written CPU kernels (the default's 'cpp' backend): {cpp}")
     results = []
     hdr = (f"{'case':20s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "

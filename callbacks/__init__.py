@@ -1,4 +1,4 @@
 """Lightning callbacks of lightning-mrs: ``NormSwap`` and ``GradientHomogeneityMonitor``."""
 
-from callbacks.homogeneity import GradientHomogeneityMonitor
-from callbacks.norm_swap import NormSwap
+from lightning_mrs.callbacks.homogeneity import GradientHomogeneityMonitor
+from lightning_mrs.callbacks.norm_swap import NormSwap

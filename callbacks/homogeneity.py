@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from callbacks.homogeneity_report import MonitoredLayer, step_report
-from callbacks.tb_layout import metric_tag, tensorboard_experiment, write_layout
-from lightning_mrs.norm_registry import NormSpec, iter_norm_layers
+from lightning_mrs.callbacks.homogeneity_report import MonitoredLayer, step_report
+from lightning_mrs.callbacks.tb_layout import metric_tag, tensorboard_experiment, write_layout
+from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 from lightning_mrs.stats import phasor_sums, slot_size, weight_grad_stats
 
 __all__ = ["GradientHomogeneityMonitor"]

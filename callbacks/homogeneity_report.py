@@ -6,7 +6,7 @@ with the step's single device-to-host copy.
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from lightning_mrs.norm_registry import norm_spec
+    >>> from lightning_mrs.swap.registry import norm_spec
     >>> from lightning_mrs.stats import phasor_sums
     >>> layer = MonitoredLayer("ln", nn.LayerNorm(4), norm_spec(nn.LayerNorm(4)), offset=0)
     >>> buffer = phasor_sums(torch.randn(3, 4), torch.randn(3, 4), -1).double()
@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from callbacks.tb_layout import metric_tag
-from lightning_mrs.norm_registry import NormSpec
+from lightning_mrs.callbacks.tb_layout import metric_tag
+from lightning_mrs.swap.registry import NormSpec
 from lightning_mrs.stats import ALL_STAT_NAMES, STAT_NAMES, WEIGHT_STAT_NAMES, aggregate_stats, layer_stats, slot_size
 
 __all__ = ["MonitoredLayer", "StepReport", "step_report"]

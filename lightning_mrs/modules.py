@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs.functional import mrs_norm
+from lightning_mrs.ops.mrs_norm import normalize
 
 __all__ = ["MRSNorm", "MRSNorm2d"]
 
@@ -15,8 +15,8 @@ __all__ = ["MRSNorm", "MRSNorm2d"]
 class _MRSNormBase(nn.Module):
     """Shared constructor: ``num_channels`` first, one weight per phasor, no bias."""
 
-    #: Implementation of :func:`mrs_norm` (``"auto"``: fused kernels; ``"eager"``: the
-    #: pure-torch formula). Set per instance, e.g. ``norm.backend = "eager"``.
+    #: Implementation of :func:`lightning_mrs.mrs_norm` (``"auto"``: fused kernels;
+    #: ``"eager"``: the reference formula). Set per instance, e.g. ``norm.backend = "eager"``.
     backend: str = "auto"
 
     def __init__(
@@ -39,6 +39,7 @@ class _MRSNormBase(nn.Module):
             )
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0 (it keeps zeros finite), got {eps}.")
+        self._caller = f"{name}({num_channels})"  # names the layer in error messages
         self.num_channels = num_channels
         self.num_phasors = num_channels // 2
         self.eps = eps
@@ -75,7 +76,7 @@ class MRSNorm(_MRSNormBase):
                 f"of shape {tuple(x.shape)}. MRSNorm is channels-last; use MRSNorm2d for "
                 "(N, C, *spatial) tensors."
             )
-        return mrs_norm(x, self.weight, self.eps, channel_dim=-1, backend=self.backend)
+        return normalize(x, self.weight, self.eps, -1, False, self.backend, self._caller)
 
 
 class MRSNorm2d(_MRSNormBase):
@@ -111,9 +112,7 @@ class MRSNorm2d(_MRSNormBase):
                 f"{tuple(x.shape)}. MRSNorm2d is channels-first; use MRSNorm for channels-last "
                 "tensors."
             )
-        return mrs_norm(
-            x, self.weight, self.eps, channel_dim=1, spatial=self.spatial, backend=self.backend
-        )
+        return normalize(x, self.weight, self.eps, 1, self.spatial, self.backend, self._caller)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spatial={self.spatial}"

@@ -39,7 +39,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from lightning_mrs.functional import phasor_channel_dim
+from lightning_mrs.ops.validation import phasor_channel_dim
 
 __all__ = [
     "ALL_STAT_NAMES",

@@ -22,6 +22,15 @@ DDP when more than one device, TensorBoard logs under ``--trainer.default_root_d
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python recipes/cifar100.py`: run this file as the module recipes.cifar100
+    import os as _os
+    import sys as _sys
+
+    _sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))  # the repository root
+    from recipes.cifar100 import run
+
+    _sys.exit(run())
+
 import math
 import os
 import sys
@@ -37,17 +46,12 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-if __package__ in (None, ""):  # run as a script: make the sibling module importable
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cifar_data import CifarDataModule, DatasetUnavailableError  # noqa: E402
-else:
-    from .cifar_data import CifarDataModule, DatasetUnavailableError  # noqa: E402
+from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
+from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs.ops import BACKENDS
+from recipes.cifar_data import CifarDataModule, DatasetUnavailableError
 
-from callbacks import GradientHomogeneityMonitor  # noqa: E402
-from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms  # noqa: E402
-from lightning_mrs.fused import BACKENDS  # noqa: E402
-
-__all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model", "main"]
+__all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
 
@@ -140,7 +144,7 @@ class CifarClassifier(pl.LightningModule):
         arch_kwargs: extra keyword arguments of the model builder (see :func:`build_model`).
         mrs_backend: implementation of the MRSNorm layers (``norm=mrs``): ``auto`` (fused
             kernels where available), ``eager`` (the plain torch formula), or one of
-            :data:`lightning_mrs.fused.BACKENDS`. Same maths; a speed/debugging knob.
+            :data:`lightning_mrs.ops.BACKENDS`. Same maths; a speed/debugging knob.
 
     Example:
         >>> model = CifarClassifier(arch="timm:test_resnet", norm="mrs")  # doctest: +SKIP
@@ -316,9 +320,11 @@ def main(args: Optional[list[str]] = None) -> None:
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
 
 
-if __name__ == "__main__":
+def run(args: Optional[list[str]] = None) -> int:
+    """:func:`main` with user errors as one line on stderr and exit status 2."""
     try:
-        main()
+        main(args)
     except DatasetUnavailableError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_mrs.synthetic import SyntheticCIFAR100
+from recipes.synthetic import SyntheticCIFAR100
 
 __all__ = ["CifarDataModule", "DatasetUnavailableError", "CIFAR100_URL"]
 
@@ -55,7 +55,7 @@ class CifarDataModule(pl.LightningDataModule):
 
     Args:
         dataset: ``cifar100`` (torchvision, downloaded on local rank zero into ``root``) or
-            ``synthetic`` (:class:`lightning_mrs.synthetic.SyntheticCIFAR100`: offline,
+            ``synthetic`` (:class:`recipes.synthetic.SyntheticCIFAR100`: offline,
             deterministic, learnable, CIFAR-100 shaped).
         root: directory holding (or receiving) ``cifar-100-python``.
         batch_size: samples per device and step; the global batch is this times the number

@@ -30,6 +30,15 @@ Several GPUs: run one sweep per GPU on disjoint shards of the same grid into the
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python recipes/stress.py`: run this file as the module recipes.stress
+    import os as _os
+    import sys as _sys
+
+    _sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))  # the repository root
+    from recipes.stress import run
+
+    _sys.exit(run())
+
 import argparse
 import itertools
 import json
@@ -40,8 +49,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 # Keep this import list light: a rerun with nothing left to train must not pay for torch/Lightning.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import stress_report  # noqa: E402
+from recipes import stress_report
 
 SETTINGS_FILE = "settings.json"
 # The synthetic default: small enough for a CPU, and it learns within a few hundred steps with
@@ -154,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{len(todo)} to run -> {out}", flush=True)
     command = " ".join(["python", "recipes/stress.py", *(argv if argv is not None else sys.argv[1:])])
     if todo:
-        from stress_cell import check_data, run_cell  # torch, Lightning: only when there is work
+        from recipes.stress_cell import check_data, run_cell  # torch, Lightning: only when there is work
 
         check_data(args)
         try:
@@ -189,9 +197,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run(argv: Optional[list[str]] = None) -> int:
+    """:func:`main`, with Ctrl-C reported as a resumable interruption (exit status 130)."""
     try:
-        sys.exit(main())
+        return main(argv)
     except KeyboardInterrupt:
         print("\ninterrupted: finished cells are kept; rerun the same command to resume.", file=sys.stderr)
-        sys.exit(130)
+        return 130

@@ -22,9 +22,9 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from callbacks import GradientHomogeneityMonitor
-from cifar100 import CifarClassifier, ValidateAtEnd, default_precision
-from cifar_data import CifarDataModule, DatasetUnavailableError
+from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
+from recipes.cifar_data import CifarDataModule, DatasetUnavailableError
 
 __all__ = ["DivergenceStop", "MemoryLogger", "check_data", "run_cell"]
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d
-from mrs_reference import mrs_norm_ref
+from helpers.reference import mrs_norm_ref
 
 
 @pytest.mark.parametrize("shape", [(5, 8), (2, 7, 64), (3, 4, 5, 6)])

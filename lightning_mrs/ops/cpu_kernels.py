@@ -1,0 +1,236 @@
+"""The ``cpp`` backend: hand-written one-pass CPU kernels (``cpu_kernels.cpp``), built on first use.
+
+Two layouts have a kernel here, the two where Inductor's code falls short of torch's native
+norms (see the source's header for why):
+
+* ``rows``: ``(G, L, C)`` with the channels contiguous and one ``S`` per group of ``L`` rows
+  (tokens and NHWC / ``channels_last`` per position with ``L = 1`` - the peer of
+  ``nn.LayerNorm``; NHWC per sample with ``L`` = positions);
+* ``sample``: ``(A, C, L)`` with the positions contiguous and one ``S`` per sample (NCHW
+  per sample) - the peer of ``nn.GroupNorm(1, C)``.
+
+The library is compiled once per machine with the system C++ compiler (``$CXX``, else
+``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``) into a cache folder
+(``$LIGHTNING_MRS_CACHE``, else ``~/.cache/lightning_mrs``), keyed by the source, the
+compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`. Nothing happens at
+import time; :func:`available` triggers the build. If the build fails (no compiler, no
+OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; ``backend="auto"``
+then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
+
+The plain-torch bodies in :mod:`lightning_mrs.ops.torch_kernels` compute the same results;
+the tests compare both against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mrs.ops.layout import DispatchKey, Layout
+
+__all__ = ["NAME", "available", "backward", "build_error", "forward", "unavailable"]
+
+NAME = "cpp"
+SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # float16: see the source
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}  # "lib": ctypes.CDLL or None, "error": str
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and instruction sets: a library built with ``-march=native`` on one
+    machine must not be loaded on another (shared home folders on a cluster)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keys = ("model name", "flags", "Features")
+        keep = [ln for ln in text.splitlines() if ln.startswith(keys)]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LIGHTNING_MRS_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(base) / "lightning_mrs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    # a read-only home (containers): a per-user folder in the temp dir
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"lightning_mrs_{user}"
+
+
+def _flag_sets() -> list[list[str]]:
+    common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    return [common + ["-march=native"], common]  # second try: a compiler without -march=native
+
+
+def _build() -> ctypes.CDLL:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    errors = []
+    for flags in _flag_sets():
+        parts = [source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+        target = _cache_dir() / f"mrs_norm_cpu_{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Build beside the target and rename: concurrent processes (DDP ranks) each
+            # build a complete file and the rename is atomic, so no lock is needed.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            cmd = [cxx, *flags, str(SOURCE), "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+                continue
+            os.replace(tmp, target)
+        lib = ctypes.CDLL(str(target))
+        _declare(lib)
+        return lib
+    raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: " + " | ".join(errors))
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    for suffix in _SUFFIX.values():
+        for kind in ("rows", "sample"):  # same signatures: (x[, g], w2, ..., A, ., ., eps, nt)
+            fwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}")
+            bwd = getattr(lib, f"mrs_bwd_{kind}_{suffix}")
+            fwd.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+            bwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+            fwd.restype = bwd.restype = None
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    if "lib" not in _STATE:
+        with _LOCK:
+            if "lib" not in _STATE:
+                try:
+                    _STATE["lib"] = _build()
+                except Exception as err:  # no compiler, no OpenMP, unwritable cache...
+                    _STATE["lib"] = None
+                    _STATE["error"] = f"{type(err).__name__}: {err}"
+                    warnings.warn(
+                        "lightning_mrs: building the one-pass CPU kernels failed, using the "
+                        f"Inductor kernels instead ({_STATE['error'][:400]}). Install a C++ "
+                        "compiler with OpenMP, or set LIGHTNING_MRS_CPU_KERNELS=0 to skip "
+                        "the build.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+    return _STATE["lib"]  # type: ignore[return-value]
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernels for ``dtype`` (float32, bfloat16) can run here (builds the
+    library on the first call)."""
+    if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0" or dtype not in _SUFFIX:
+        return False
+    lib = _lib()
+    return lib is not None and hasattr(lib, f"mrs_fwd_rows_{_SUFFIX[dtype]}")
+
+
+def build_error() -> Optional[str]:
+    """Why the library could not be built, or ``None``."""
+    return _STATE.get("error")  # type: ignore[return-value]
+
+
+def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
+    """Why no kernel here covers ``key`` (``None`` when one does; builds the library on the
+    first call that needs it). Covered: float32/bfloat16 CPU tensors whose canonical view is
+    contiguous, with the channels contiguous, or the positions contiguous and one ``S`` per
+    sample (``(A, C, L)`` per position stays with the other backends)."""
+    if key.device_type != "cpu":
+        return f"the C++ kernels run on the CPU, not on {key.device_type}"
+    if key.dtype not in _SUFFIX:
+        return f"they cover float32/bfloat16, not {key.dtype}"
+    if not key.dense:
+        return "they need the channels contiguous, or the positions contiguous with spatial=True, in a dense tensor"
+    if not (key.layout.last or key.layout.spatial):
+        return "they need the channels contiguous, or the positions contiguous with spatial=True"
+    if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0":
+        return "LIGHTNING_MRS_CPU_KERNELS=0"
+    if not available(key.dtype):
+        return f"the library could not be built: {build_error()}"
+    return None
+
+
+def _fn(kind: str, dtype: torch.dtype):
+    lib = _lib()
+    name = f"mrs_{kind}_{_SUFFIX[dtype]}"
+    if lib is None or not hasattr(lib, name):
+        raise RuntimeError(f"lightning_mrs: CPU kernel {name} is not available ({build_error()})")
+    return getattr(lib, name)
+
+
+def _weight_ptr(w2: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[int]]:
+    """The per-channel gain as a float32 contiguous tensor (kept alive by the caller) and
+    its address, or ``(None, None)``."""
+    if w2 is None:
+        return None, None
+    w = w2.detach().to(torch.float32).contiguous()  # (C,)
+    return w, w.data_ptr()
+
+
+def forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
+    """``(y3, r_sum)`` for a contiguous canonical view accepted by :func:`unavailable`
+    (``r_sum = P * S``, float32, ``(A, 1, 1)``)."""
+    groups, rows, cols = x3.shape  # (A, L, C) if last else (A, C, L): one S per group
+    y3 = torch.empty_like(x3)
+    r_sum = torch.empty(groups, 1, 1, dtype=torch.float32)  # (A, 1, 1)
+    w, w_ptr = _weight_ptr(w2)
+    kind = "fwd_rows" if layout.last else "fwd_sample"
+    threads = torch.get_num_threads()
+    _fn(kind, x3.dtype)(x3.data_ptr(), w_ptr, y3.data_ptr(), r_sum.data_ptr(), groups, rows, cols, eps, threads)
+    del w  # kept alive until here: the kernel reads it
+    return y3, r_sum
+
+
+def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+             layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
+    """``(dx3, dw)`` for ``g3`` shaped like ``x3``; ``dw`` is ``(P,)`` float32, or ``None``
+    without a weight."""
+    groups, rows, cols = x3.shape
+    g3 = g3.contiguous()
+    rs = r_sum.to(torch.float32).contiguous()
+    dx3 = torch.empty_like(x3)
+    w, w_ptr = _weight_ptr(w2)
+    channels = cols if layout.last else rows
+    dw = torch.empty(channels // 2, dtype=torch.float32) if w is not None else None
+    dw_ptr = dw.data_ptr() if dw is not None else None
+    kind = "bwd_rows" if layout.last else "bwd_sample"
+    threads = torch.get_num_threads()
+    ptrs = (x3.data_ptr(), g3.data_ptr(), w_ptr, rs.data_ptr(), dx3.data_ptr(), dw_ptr)
+    _fn(kind, x3.dtype)(*ptrs, groups, rows, cols, eps, threads)
+    del w
+    return dx3, dw

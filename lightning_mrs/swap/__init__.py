@@ -1,0 +1,23 @@
+"""The norm-swap engine: which layers are norms, what each becomes, and the swap itself.
+
+================ =============================================================
+``registry.py``  which modules are norm layers and their layout (``register_norm``)
+``layers.py``    layers the swap builds besides MRSNorm (LayerNorm2d, RMSNorm2d, NormAct)
+``build.py``     one replacement from one old norm: the class and the weights
+``options.py``   ``SwapOptions``, shared by ``swap_norms`` and the ``NormSwap`` callback
+``report.py``    ``SwapReport``: what a swap did
+``engine.py``    ``swap_norms``: plan every layer, then rewrite the model
+``spec.py``      a swapped model's norms as data (checkpoints), rebuilt on a fresh model
+================ =============================================================
+"""
+
+from lightning_mrs.swap.engine import swap_norms
+from lightning_mrs.swap.layers import LayerNorm2d, NormAct, RMSNorm2d
+from lightning_mrs.swap.options import SWAP_TARGETS, Selector, SwapOptions
+from lightning_mrs.swap.registry import NORM_KINDS, NormSpec, iter_norm_layers, norm_spec, register_norm
+from lightning_mrs.swap.report import SwapReport
+
+__all__ = [
+    "LayerNorm2d", "NORM_KINDS", "NormAct", "NormSpec", "RMSNorm2d", "SWAP_TARGETS", "Selector",
+    "SwapOptions", "SwapReport", "iter_norm_layers", "norm_spec", "register_norm", "swap_norms",
+]

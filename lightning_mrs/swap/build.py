@@ -1,0 +1,116 @@
+"""Build one replacement norm from an old one: the class choice and the weight transfer.
+
+Used by :func:`lightning_mrs.swap_norms`; see :class:`lightning_mrs.swap.SwapOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.swap.layers import LayerNorm2d, NormAct, RMSNorm2d
+from lightning_mrs.swap.registry import NormSpec
+
+__all__ = ["Plan", "plan_replacement", "build_replacement"]
+
+_PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one statistic per sample
+_DEFAULT_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one norm becomes: a readable label and a constructor of the bare new norm."""
+
+    label: str  # e.g. "MRSNorm2d(spatial=True)"
+    make: Callable[[int, float, bool, dict], nn.Module]  # (C, eps, affine, device/dtype kwargs)
+
+
+def _auto_spatial(spec: NormSpec) -> bool:
+    if spec.kind in _PER_SAMPLE_KINDS:
+        return True
+    return bool(spec.spatial)
+
+
+def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object) -> Optional[Plan]:
+    """The replacement of ``module`` for ``target``, or ``None`` when it already is one.
+
+    ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only).
+    """
+    if spec.channel_dim == -1:
+        if target == "mrs":
+            return None if spec.kind == "mrs" else Plan("MRSNorm", lambda c, e, a, dd: MRSNorm(c, e, a, **dd))
+        if target == "layer":
+            if spec.kind == "layer":
+                return None
+            return Plan("LayerNorm", lambda c, e, a, dd: nn.LayerNorm(c, e, elementwise_affine=a, bias=a, **dd))
+        if spec.kind == "rms":
+            return None
+        return Plan("RMSNorm", lambda c, e, a, dd: nn.RMSNorm(c, e, elementwise_affine=a, **dd))
+    s = _auto_spatial(spec) if spatial == "auto" else bool(spatial)
+    if target == "mrs":
+        if spec.kind == "mrs" and bool(spec.spatial) == s:
+            return None
+        return Plan(f"MRSNorm2d(spatial={s})", lambda c, e, a, dd: MRSNorm2d(c, e, a, spatial=s, **dd))
+    if target == "rms":
+        if spec.kind == "rms2d" and bool(spec.spatial) == s and not spec.fused_act:
+            return None
+        return Plan(f"RMSNorm2d(spatial={s})", lambda c, e, a, dd: RMSNorm2d(c, e, a, spatial=s, **dd))
+    if s:  # per-sample LayerNorm of a conv net: GroupNorm with one group
+        if spec.kind == "group" and getattr(module, "num_groups", None) == 1:
+            return None
+        return Plan("GroupNorm(1)", lambda c, e, a, dd: nn.GroupNorm(1, c, e, affine=a, **dd))
+    if spec.kind == "layer2d":
+        return None
+    return Plan("LayerNorm2d", lambda c, e, a, dd: LayerNorm2d(c, e, a, **dd))
+
+
+def _tensor(module: nn.Module, name: str) -> Optional[Tensor]:
+    value = getattr(module, name, None)
+    return value if isinstance(value, Tensor) else None
+
+
+def _device_dtype(module: nn.Module) -> dict:
+    for t in (_tensor(module, "weight"), _tensor(module, "bias"), *module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if t is not None and t.is_floating_point():
+            return {"device": t.device, "dtype": t.dtype}
+    return {}
+
+
+def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
+    """The old weight as one value per channel (an MRS weight holds one per phasor)."""
+    return weight.repeat_interleave(2) if old_kind == "mrs" else weight
+
+
+@torch.no_grad()
+def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, eps: Optional[float]) -> nn.Module:
+    """Create the new norm on the old one's device/dtype, with its ``requires_grad`` and
+    ``training`` flags, and (``init="inherit"``) its weights; fused ``drop``/``act`` kept."""
+    weight, bias = _tensor(module, "weight"), _tensor(module, "bias")
+    old_eps = getattr(module, "eps", None)
+    if eps is None:
+        eps = float(old_eps) if isinstance(old_eps, (int, float)) and old_eps > 0 else _DEFAULT_EPS
+    new = plan.make(spec.num_channels, eps, weight is not None, _device_dtype(module))
+    # A frozen source (requires_grad=False, or a buffer as in FrozenBatchNorm2d) stays frozen.
+    trainable = weight.requires_grad if isinstance(weight, nn.Parameter) else weight is None
+    for p in new.parameters():
+        p.requires_grad_(trainable)
+    if init == "inherit" and weight is not None and getattr(new, "weight", None) is not None:
+        w = _per_channel(weight.detach(), spec.kind)  # (C,)
+        if isinstance(new, (MRSNorm, MRSNorm2d)):
+            # one weight per phasor from its two channels: the mean keeps zero-init zeros zero
+            w = w.reshape(-1, 2).mean(dim=1)  # (C/2,)
+        new.weight.copy_(w)
+        new_bias = getattr(new, "bias", None)
+        if isinstance(new_bias, Tensor):
+            new_bias.copy_(bias.detach() if bias is not None and bias.shape == new_bias.shape else torch.zeros_like(new_bias))
+    new.train(module.training)
+    if spec.fused_act:
+        drop, act = getattr(module, "drop", None), getattr(module, "act", None)
+        holder = NormAct(new, drop if isinstance(drop, nn.Module) else None, act if isinstance(act, nn.Module) else None)
+        holder.training = module.training  # drop/act keep their own flags
+        return holder
+    return new

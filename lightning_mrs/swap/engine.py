@@ -1,0 +1,141 @@
+"""``swap_norms``: turn every norm layer of a model into MRSNorm (or RMSNorm / LayerNorm).
+
+The swap first plans every layer (what it becomes, or why it is left alone), raises on any
+problem under ``strict=True`` before touching the model, then rewrites the model in place.
+See :class:`lightning_mrs.swap.SwapOptions` for the options.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
+from lightning_mrs.swap.options import SwapOptions
+from lightning_mrs.swap.registry import NormSpec, norm_spec
+from lightning_mrs.swap.report import SwapReport
+
+__all__ = ["swap_norms"]
+
+
+def _matches(module: nn.Module, names: list[str], selectors: tuple[Union[str, type], ...]) -> Optional[str]:
+    """The first selector that picks ``module`` (by type) or one of its names (by pattern,
+    the pattern matching the name or any ancestor's name)."""
+    for sel in selectors:
+        if isinstance(sel, type):
+            if isinstance(module, sel):
+                return sel.__qualname__
+            continue
+        for name in names:
+            parts = name.split(".")
+            if any(fnmatchcase(".".join(parts[:i]), sel) for i in range(1, len(parts) + 1)):
+                return repr(sel)
+    return None
+
+
+def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **options: Any) -> SwapReport:
+    """Replace the norm layers of ``model`` in place; return what was done.
+
+    Args:
+        model: any module (timm, torchvision, your own). Its root must not itself be a norm
+            layer to replace: wrap it first, e.g. ``nn.Sequential(norm)``.
+        target: ``"mrs"``, ``"rms"`` or ``"layer"``, or a whole :class:`SwapOptions`.
+        **options: the other fields of :class:`SwapOptions` (``spatial``, ``include``,
+            ``exclude``, ``init``, ``eps``, ``strict``).
+
+    Returns:
+        A :class:`SwapReport`; ``print(report)`` gives the summary.
+
+    Raises:
+        ValueError: a bad option, the root is a norm, or (``strict``) a norm cannot be swapped.
+            The model is untouched when this is raised.
+        TypeError: an unknown option.
+
+    Example:
+        >>> import torchvision
+        >>> model = torchvision.models.resnet18()
+        >>> report = swap_norms(model, "mrs")
+        >>> len(report.converted), report.changes["bn1"]
+        (20, ('BatchNorm2d', 'MRSNorm2d(spatial=True)'))
+    """
+    opts = SwapOptions.of(target, "swap_norms", **options)
+    target, spatial, strict = opts.target, opts.spatial, opts.strict
+    includes, excludes = opts.include, opts.exclude
+    report = SwapReport(target, options=opts)
+
+    # 1. collect every reference (parent, attr) -> child first: nothing mutates while iterating
+    names: dict[int, list[str]] = {}  # id(module) -> all its dotted names, first one first
+    refs: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent_name, parent in model.named_modules():
+        for attr, child in vars(parent).get("_modules", {}).items():
+            if child is not None:
+                refs.append((parent, attr, child))
+                names.setdefault(id(child), []).append(f"{parent_name}.{attr}" if parent_name else attr)
+
+    # 2. plan: what each distinct norm becomes, or why it stays
+    plans: dict[int, tuple[nn.Module, NormSpec, Plan]] = {}
+    old_by_name: dict[str, nn.Module] = {}
+    problems: list[str] = []
+    for name, module in model.named_modules():
+        spec = norm_spec(module)
+        if spec is None:
+            continue
+        all_names = names.get(id(module), [name]) if name else [""]
+        others = [n for n in all_names if n != name]
+
+        def skip(reason: str, user: bool = False) -> None:
+            for n in [name, *others]:
+                report.skipped[n] = reason
+            if strict and not user:
+                problems.append(f"{name or '<root>'} ({type(module).__qualname__}): {reason}")
+
+        hit = _matches(module, all_names, excludes) if excludes else None
+        if hit is not None:
+            skip(f"excluded by exclude={hit}", user=True)
+            continue
+        if includes and _matches(module, all_names, includes) is None:
+            skip("not matched by include", user=True)
+            continue
+        if spec.unsupported:
+            skip(spec.unsupported)
+            continue
+        plan = plan_replacement(module, spec, target, spatial)
+        if plan is None:
+            report.unchanged.append(name)
+            continue
+        if target == "mrs" and spec.num_channels % 2:
+            skip(
+                f"odd channel count {spec.num_channels}: MRSNorm pairs adjacent channels; make the "
+                "width even, keep this norm (exclude it), or use target='rms'/'layer'"
+            )
+            continue
+        if module is model:
+            raise ValueError(
+                f"swap_norms: the model itself is a norm layer ({type(model).__qualname__}) and cannot "
+                "be replaced in place; wrap it (nn.Sequential(norm)) or swap its parent module."
+            )
+        plans[id(module)] = (module, spec, plan)
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            report.notes.append(f"{name}: hooks registered on the old {type(module).__qualname__} were not moved")
+        old_by_name[name] = module
+        report.converted.append(name)
+        for alias in others:
+            report.aliases[alias] = name
+    if problems:
+        raise ValueError(
+            "swap_norms(strict=True): these norm layers cannot be swapped (nothing was changed):\n  "
+            + "\n  ".join(problems)
+        )
+
+    # 3. build each replacement once, then point every reference at it (shared stays shared)
+    new_modules = {key: build_replacement(m, spec, plan, opts.init, opts.eps) for key, (m, spec, plan) in plans.items()}
+    for parent, attr, child in refs:
+        new = new_modules.get(id(child))
+        if new is not None:
+            setattr(parent, attr, new)
+    for name in report.converted:
+        old, spec, plan = plans[id(old_by_name[name])]
+        report.changes[name] = (type(old).__qualname__, plan.label + ("+act" if spec.fused_act else ""))
+    return report

@@ -1,0 +1,105 @@
+"""A real ``tensorboard`` server on 127.0.0.1 serves the monitor's tags and dashboard layout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs import MRSNorm2d
+
+START_TIMEOUT_S = 90
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1),
+            nn.BatchNorm2d(6), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5),
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - localhost only
+        return json.loads(response.read().decode())
+
+
+def test_tensorboard_server_serves_tags_and_layout(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 6, 6), torch.randint(0, 5, (16,)))
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", logger=logger, log_every_n_steps=1,
+        callbacks=[GradientHomogeneityMonitor()], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=8))
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
+         "--port", str(port), "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}/data/plugin"
+    try:
+        deadline, scalars = time.monotonic() + START_TIMEOUT_S, {}
+        while time.monotonic() < deadline:
+            assert server.poll() is None, f"tensorboard exited: {server.stderr.read().decode()[-2000:]}"
+            try:
+                scalars = _get_json(f"{base}/scalars/tags")
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                scalars = {}
+            if any("phasor/all/grad_cv" in tags for tags in scalars.values()):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"tensorboard did not serve the tags within {START_TIMEOUT_S} s: {scalars}")
+        (run,) = [r for r, tags in scalars.items() if "phasor/all/grad_cv" in tags]
+        for layer in ("net.1", "net.4", "all"):
+            for stat in ("grad_mean", "grad_cv", "starved_frac", "nonfinite"):
+                assert f"phasor/{layer}/{stat}" in scalars[run]
+        points = _get_json(f"{base}/scalars/scalars?run={run}&tag=phasor/net.1/grad_cv")
+        assert [p[1] for p in points] == [0, 1]  # [wall_time, step, value]
+        layout = _get_json(f"{base}/custom_scalars/layout")
+        (category,) = layout["category"]
+        assert category["title"] == "Phasor homogeneity"
+        margins = [c["margin"]["series"][0] for c in category["chart"] if "margin" in c]
+        assert {"value": "phasor/net.4/grad_p50", "lower": "phasor/net.4/grad_p05",
+                "upper": "phasor/net.4/grad_p95"} in margins
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=15)
+        server.stderr.close()

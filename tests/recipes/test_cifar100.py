@@ -1,0 +1,156 @@
+"""recipes/cifar100.py through its real command line (subprocesses), plus its building blocks."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import ROOT
+SCRIPT = ROOT / "recipes" / "cifar100.py"
+from recipes.cifar100 import CifarClassifier, build_model, default_precision
+
+# Small and fast on the CPU; the real default is resnet18.
+FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "synthetic",
+        "--data.synthetic_val_size", "96", "--trainer.limit_val_batches", "2", "--data.batch_size", "16",
+        "--trainer.enable_progress_bar", "false"]
+
+
+def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
+    steps, lr = 3, 0.05
+    proc = _run([*FAST, "--model.norm", "mrs", "--model.mrs_backend", "eager", "--model.lr", str(lr),
+                 "--model.warmup_frac", "0.0",
+                 "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
+                 "--trainer.default_root_dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "lightning_logs" / "version_0"
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("*.ckpt"))
+    assert "last.ckpt" in ckpts and any(n.startswith("best-") for n in ckpts), ckpts
+    assert list(run.glob("events.out.tfevents.*")), "no TensorBoard events"
+    assert "precision: 32-true" in (run / "config.yaml").read_text()  # the CPU default, chosen in code
+    assert "global batch 16 = 16 per device x 1 processes" in proc.stdout + proc.stderr
+
+    scalars = _scalars(run)
+    # validation ran (once) although max_steps ended the run inside the first epoch; Lightning
+    # logs it at the index of the last training batch (steps - 1)
+    assert [s for s, _ in scalars["val/top1"]] == [steps - 1]
+    assert 0.0 <= scalars["val/top1"][0][1] <= 1.0
+    for tag in ("train/loss", "val/loss", "val/top5", "data/global_batch_size"):
+        assert tag in scalars, sorted(scalars)
+    assert any(t.startswith("phasor/all/") for t in scalars), sorted(scalars)
+    # per-step cosine schedule, no warm-up: lr_k = lr/2 (1 + cos(pi k / steps)) (independent formula)
+    lrs = [v for _, v in sorted(scalars["lr-SGD"])]
+    expected = [lr * 0.5 * (1 + math.cos(math.pi * k / steps)) for k in range(steps)]
+    torch.testing.assert_close(torch.tensor(lrs[:steps], dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=1e-5)
+
+    # load_from_checkpoint rebuilds the swapped architecture from the hyperparameters alone
+    from lightning_mrs import MRSNorm2d
+
+    path = run / "checkpoints" / "last.ckpt"
+    model = CifarClassifier.load_from_checkpoint(path, map_location="cpu")
+    assert model.hparams.norm == "mrs" and model.hparams.arch == "timm:test_resnet"
+    assert any(isinstance(m, MRSNorm2d) for m in model.modules())
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], atol=0, rtol=0)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.randn(4, 3, 32, 32))  # (4, 100)
+    assert logits.shape == (4, 100) and torch.isfinite(logits).all()
+
+
+def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
+    proc = _run([*FAST, "--model.norm", "layer", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                 "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path)])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "global batch 32 = 16 per device x 2 processes" in out
+    assert "distributed_backend=gloo" in out
+    ckpts = list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert len(ckpts) == 2, ckpts  # last + best, written once (rank zero)
+    scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
+    assert [s for s, _ in scalars["val/top1"]] == [1]
+
+
+def test_missing_cifar100_fails_cleanly(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    # default --data.download true: offline the download fails (bounded by a socket timeout)
+    proc = _run([*FAST, "--data.dataset", "cifar100", "--data.root", str(empty), "--trainer.max_steps", "1",
+                 "--trainer.default_root_dir", str(tmp_path / "run")], timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Traceback" not in out
+    assert "CIFAR-100 is not available" in proc.stderr
+    assert str(empty) in proc.stderr and "--data.root" in proc.stderr and "--data.dataset synthetic" in proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "timm:resnet18", "timm:resnet10t"])
+def test_cifar_stem_keeps_resolution(arch: str) -> None:
+    model = build_model(arch, num_classes=100)
+    assert isinstance(model.maxpool, nn.Identity)
+    first = next(m for m in model.conv1.modules() if isinstance(m, nn.Conv2d))
+    assert first.stride == (1, 1)
+    seen = {}
+
+    def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["layer1"] = output.shape  # (N, C, H, W)
+
+    model.layer1.register_forward_hook(record)
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    assert seen["layer1"][-2:] == (32, 32)  # an ImageNet stem would give 8x8
+
+
+def test_imagenet_stem_kept_on_request_and_non_resnets_untouched() -> None:
+    model = build_model("resnet18", num_classes=10, cifar_stem=False)
+    assert model.conv1.stride == (2, 2) and isinstance(model.maxpool, nn.MaxPool2d)
+    vit = build_model("timm:test_vit", num_classes=7)
+    assert vit(torch.randn(1, 3, 160, 160)).shape == (1, 7)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"norm": "group"}, "--model.norm"), ({"schedule": "step"}, "--model.schedule"),
+     ({"warmup_frac": 1.0}, "--model.warmup_frac"), ({"lr": 0.0}, "--model.lr"),
+     ({"mrs_backend": "cuda"}, "--model.mrs_backend"), ({"arch": "no_such_model_xyz"}, "--model.arch")],
+)
+def test_bad_options_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CifarClassifier(**{"arch": "timm:test_resnet", **kwargs})
+
+
+def test_batch_norm_means_no_swap() -> None:
+    model = CifarClassifier(arch="timm:test_resnet", norm="batch")
+    assert model.swap_report is None
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) > 0
+
+
+def test_default_precision() -> None:
+    assert default_precision("cpu") == "32-true"
+    if not torch.cuda.is_available():
+        assert default_precision("auto") == "32-true"
+    else:
+        assert default_precision("gpu") == ("bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed")

@@ -1,0 +1,145 @@
+"""recipes/stress.py: a 2-cell sweep through the real command line, its resume, and its parts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT
+SCRIPT = ROOT / "recipes" / "stress.py"
+
+from recipes import stress_report
+
+GRID = ["--dataset", "synthetic", "--norms", "layer", "mrs", "--lrs", "0.1", "--batch-sizes", "16",
+        "--max-steps", "3", "--synthetic-val-size", "64", "--log-every", "1", "--mrs-backend", "eager",
+        "--accelerator", "cpu"]
+
+
+def _run(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_then_resume(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    proc = _run([*GRID, "--seeds", "0", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 to run" in proc.stdout
+
+    rows = _rows(out)
+    assert [(r["norm"], r["lr"], r["batch_size"], r["seed"]) for r in rows] == [
+        ("layer", "0.1", "16", "0"), ("mrs", "0.1", "16", "0")]
+    for r in rows:
+        assert r["steps"] == "3" and r["diverged"] == "0" and r["divergence_step"] == ""
+        assert 0.0 <= float(r["best_top1"]) <= 1.0 and 0.0 <= float(r["final_top1"]) <= 1.0
+        assert float(r["best_top1"]) >= float(r["final_top1"])
+        assert math.isfinite(float(r["mean_grad_cv"])) and 0.0 <= float(r["mean_starved_frac"]) <= 1.0
+        tb = out / r["tb_run"]
+        assert tb.name == f"{r['norm']}_lr0.1_bs16_seed0" and list(tb.glob("events.out.tfevents.*"))
+    md = (out / "results.md").read_text()
+    assert "| 0.1 | 16 | layer | 1 |" in md and "| 0.1 | 16 | mrs | 1 |" in md
+    assert "max_steps: `3`" in md and "--max-steps 3" in md  # the exact settings are stated
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # an interrupted sweep: one finished cell lost its record, another seed is new -> only those run
+    (out / "cells" / "mrs_lr0.1_bs16_seed0.json").unlink()
+    proc = _run([*GRID, "--seeds", "0", "1", "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 cells in the grid, 1 of this shard already done, 3 to run" in proc.stdout
+    rows = _rows(out)
+    keys = [(r["norm"], r["seed"]) for r in rows]
+    assert sorted(keys) == [("layer", "0"), ("layer", "1"), ("mrs", "0"), ("mrs", "1")]
+
+    # a plain rerun: nothing trains, nothing is appended, and torch is never imported
+    before = (out / "results.csv").read_text()
+    code = (
+        "import runpy, sys; sys.argv = ['stress.py', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code\n"
+        "assert 'torch' not in sys.modules, 'a rerun with nothing to do imported torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *GRID, "--seeds", "0", "1", "--out", str(out)],
+                          cwd=ROOT / "recipes", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 to run" in proc.stdout
+    assert (out / "results.csv").read_text() == before
+
+
+def test_rerun_with_other_settings_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "settings.json").write_text(json.dumps({"dataset": "synthetic", "max_steps": 999}))
+    proc = _run([*GRID, "--seeds", "0", "--out", str(out)], timeout=120)
+    assert proc.returncode != 0
+    assert "other settings" in proc.stderr and "max_steps" in proc.stderr
+    assert not (out / "results.csv").exists()
+
+
+def test_divergence_stops_the_cell_and_is_recorded() -> None:
+    """A loss that turns NaN at step 3: the run stops there and the step is recorded."""
+    import lightning.pytorch as pl
+    from recipes.stress_cell import DivergenceStop, MemoryLogger
+
+    class Bomb(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = (self.w * batch).sum() ** 2
+            return loss * float("nan") if self.global_step == 2 else loss  # 3rd optimizer step
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.DataLoader(torch.ones(20, 2), batch_size=1)
+    stop, memory = DivergenceStop(), MemoryLogger()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=20, callbacks=[stop], logger=memory, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(Bomb(), data)
+    assert stop.divergence_step == 3
+    assert trainer.global_step == 3
+    assert [s for s, _ in stop.losses] == [1, 2, 3]
+    assert all(math.isfinite(v) for _, v in stop.losses[:2]) and math.isnan(stop.losses[2][1])
+
+
+def test_table_aggregates_seeds_and_marks_divergence(tmp_path: Path) -> None:
+    def record(norm: str, seed: int, top1: float, diverged: bool = False, step: int | None = None) -> dict:
+        return {"cell": f"{norm}_{seed}", "norm": norm, "lr": 0.4, "batch_size": 32, "seed": seed,
+                "final_top1": top1, "best_top1": top1, "diverged": diverged, "divergence_step": step,
+                "mean_grad_cv": 0.5, "mean_starved_frac": 0.1, "curves": {"train_loss": [[1, 4.6], [2, 4.5]]}}
+
+    (tmp_path / "cells").mkdir()
+    records = [record("mrs", 0, 0.5), record("mrs", 1, 0.7), record("rms", 0, 0.01, True, 7),
+               record("rms", 1, 0.3)]
+    for r in records:
+        stress_report.write_atomic(tmp_path / "cells" / f"{r['cell']}.json", json.dumps(r))
+    stress_report.write_outputs(tmp_path, {"max_steps": 10}, "python recipes/stress.py ...")
+    md = (tmp_path / "results.md").read_text()
+    # mean and sample std over seeds, in %: (50, 70) -> 60 +- 14.14; (1, 30) -> 15.5 +- 20.51
+    assert f"| 0.4 | 32 | mrs | 2 | 60.00 ± {math.sqrt(200):.2f} |" in md
+    assert f"| 0.4 | 32 | rms | 2 | 15.50 ± {math.sqrt((14.5 ** 2) * 2):.2f} |" in md
+    assert "**DIVERGED 1/2 @ 7**" in md
+    assert len(_rows(tmp_path)) == 4
+    assert (tmp_path / "results.png").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-steps", "0"], "--max-steps"), (["--max-steps", "1", "--shard", "2/2"], "--shard"), ([], "--epochs"),
+])
+def test_bad_arguments(tmp_path: Path, argv: list[str], message: str) -> None:
+    proc = _run(["--out", str(tmp_path / "x"), *argv], timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
