@@ -1,0 +1,29 @@
+"""Shared fixtures. Helpers that test modules also import directly live in ``tests/helpers``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from helpers import lightning as lightning_helpers
+from helpers.recording_logger import RecordingLogger
+
+
+@pytest.fixture
+def tiny_fit() -> Callable[..., Any]:
+    """:func:`helpers.lightning.fit`: fit a tiny LightningModule for a few CPU steps."""
+    return lightning_helpers.fit
+
+
+@pytest.fixture
+def recording_logger() -> RecordingLogger:
+    """A fresh logger that keeps every logged value (``history[tag][step]``)."""
+    return RecordingLogger()
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same global seed."""
+    torch.manual_seed(0)

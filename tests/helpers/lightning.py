@@ -1,0 +1,101 @@
+"""The one tiny LightningModule, data and ``fit`` helper that every callback test uses.
+
+Exposed as fixtures by ``tests/conftest.py`` (``tiny_fit``, ``tiny_module``); importable
+directly where a module must live at import level (DDP scripts, spawned workers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["TinyModule", "conv_net", "fit", "image_data"]
+
+NetFactory = Callable[[], nn.Module]
+
+
+def conv_net() -> nn.Sequential:
+    """BatchNorm2d (an in-place ReLU after it, as in a ResNet) and a LayerNorm head: the norms
+    a swap converts and a monitor watches, with 8-channel layers (4 phasors)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(8), nn.Linear(8, 5),
+    )
+
+
+def image_data(n: int = 32, size: tuple[int, int] = (7, 5), classes: int = 5, seed: int = 1) -> TensorDataset:
+    """``n`` random ``(3, *size)`` images with labels in ``[0, classes)``, the same for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 3, *size, generator=gen), torch.randint(0, classes, (n,), generator=gen))
+
+
+class TinyModule(pl.LightningModule):
+    """Cross-entropy on ``net`` with SGD; ``net`` is built in ``__init__`` (``build="init"``),
+    in ``configure_model`` (``"configure_model"``) or in ``setup`` (``"setup"``).
+
+    Args:
+        net_fn: the backbone's factory (called once, under ``torch.manual_seed(seed)``).
+        lr: the SGD learning rate.
+        build: where the backbone is built.
+        seed: seed of the backbone's initialisation.
+    """
+
+    def __init__(self, net_fn: NetFactory = conv_net, lr: float = 0.05, build: str = "init", seed: int = 0) -> None:
+        super().__init__()
+        if build not in ("init", "configure_model", "setup"):
+            raise ValueError(f"build={build!r}")
+        self.net_fn, self.lr, self.build, self.seed = net_fn, lr, build, seed
+        self.net: Optional[nn.Module] = self._make() if build == "init" else None
+
+    def _make(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return self.net_fn()
+
+    def configure_model(self) -> None:
+        if self.build == "configure_model" and self.net is None:  # idempotent, as Lightning asks
+            self.net = self._make()
+
+    def setup(self, stage: str) -> None:
+        if self.build == "setup" and self.net is None:
+            self.net = self._make()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # (N, 3, H, W) -> (N, classes)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def fit(
+    module: Union[pl.LightningModule, NetFactory, None] = None,
+    *,
+    steps: int = 2,
+    callbacks: Iterable[pl.Callback] = (),
+    logger: Any = False,
+    data: Optional[TensorDataset] = None,
+    batch_size: int = 8,
+    ckpt_path: Optional[str] = None,
+    **trainer_kw: Any,
+) -> tuple[pl.Trainer, pl.LightningModule]:
+    """Fit ``module`` (a LightningModule, or a backbone factory wrapped in :class:`TinyModule`)
+    for ``steps`` optimizer steps on the CPU, quietly; returns ``(trainer, module)``."""
+    if module is None or not isinstance(module, pl.LightningModule):
+        module = TinyModule(module or conv_net)
+    trainer_kw.setdefault("accelerator", "cpu")
+    trainer_kw.setdefault("devices", 1)
+    trainer_kw.setdefault("log_every_n_steps", 1)
+    trainer = pl.Trainer(
+        max_steps=steps, logger=logger, callbacks=list(callbacks), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **trainer_kw,
+    )
+    loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer, module
