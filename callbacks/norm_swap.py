@@ -2,18 +2,25 @@
 
 A thin Lightning wrapper around :func:`lightning_mrs.swap_norms`. The swap happens in the
 callback's ``setup``, before ``configure_optimizers``, so the optimizer owns the new weights;
-a model built in ``configure_model`` is built first by calling that hook, as Lightning's own
-``WeightAveraging`` does (Lightning asks the hook to be idempotent). Nothing of the
-LightningModule is rebound: the checkpoint check is a torch load-state-dict pre-hook on the
-module, removed when the stage ends.
+a model built in ``configure_model`` is built first by calling that hook (in the contexts
+Lightning uses for it), as Lightning's own ``WeightAveraging`` does (Lightning asks the hook
+to be idempotent). Nothing of the LightningModule is rebound: the checkpoint check is a torch
+load-state-dict pre-hook on the module, removed when the stage starts.
 
-What the swap built (every norm layer of the target's kind) is the callback's state, so it
-is in every checkpoint; resuming compares what this run built with it, and
-:meth:`NormSwap.restore` rebuilds a fresh model for inference.
+What the swap built (every norm layer of the target's kind, see
+:func:`lightning_mrs.swap.spec.describe_layers`) is the callback's state, so it is in every
+checkpoint; resuming compares what this run built with it, and :meth:`NormSwap.restore`
+rebuilds a fresh model for inference.
+
+Launchers: ``strategy="ddp"`` (one script process per device) works. The multiprocessing
+launcher (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) is refused: its workers would swap
+their copies of the model, but when training ends Lightning loads rank 0's weights into the
+main process's model, and no callback hook runs in the main process to swap that one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional, Union
 
@@ -31,15 +38,22 @@ from typing_extensions import override
 
 import lightning_mrs
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
-from lightning_mrs.swap.spec import LayerRecord, describe_layers, differences, rebuild
+from lightning_mrs.swap.spec import LayerRecord, describe_layers, differences, format_record, rebuild, rebuild_v1
 
 __all__ = ["NormSwap"]
 
 _SPEC_VERSION = 2
+_SHOWN = 5  # layers listed in an error message
 
 
 class NormSwap(Callback):
     """Replace the model's norm layers with MRSNorm (or the RMSNorm/LayerNorm baselines).
+
+    Supported: a single device and ``strategy="ddp"``. Refused before training, with the
+    reason: FSDP, DeepSpeed and ModelParallel (they own the parameters) and
+    ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` (the trained weights come back into a model
+    no callback can swap). The model may be built in ``__init__`` or ``configure_model``;
+    one built in ``LightningModule.setup`` is refused (Lightning runs it after the swap).
 
     Args:
         target: ``"mrs"``, ``"rms"`` or ``"layer"``, or a whole
@@ -56,7 +70,8 @@ class NormSwap(Callback):
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(callbacks=[NormSwap("mrs", exclude="head")])  # doctest: +SKIP
         >>> trainer.fit(model)  # doctest: +SKIP
-        >>> model = NormSwap.restore(MyModel(), "last.ckpt")  # doctest: +SKIP
+        >>> trainer.fit(MyModel(), ckpt_path="last.ckpt")  # resume: same NormSwap  # doctest: +SKIP
+        >>> model = NormSwap.restore(MyModel(), "last.ckpt")  # inference  # doctest: +SKIP
     """
 
     def __init__(self, target: Union[str, SwapOptions] = "mrs", *, verbose: bool = True, **options: Any) -> None:
@@ -65,51 +80,83 @@ class NormSwap(Callback):
         self.report: Optional[SwapReport] = None
         self._layers: dict[str, LayerRecord] = {}  # what the swap built: the checkpoint record
         self._handle: Optional[RemovableHandle] = None
+        self._unchecked = False  # a setup whose late-built layers are still to be looked for
 
     # ------------------------------------------------------------------ swapping
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         _refuse_unsupported(trainer)
         if is_overridden("configure_model", pl_module):
-            pl_module.configure_model()  # build the layers now; Lightning's own call is then a no-op
+            # build the layers now, where Lightning would; its own call is then a no-op
+            with trainer.strategy.tensor_init_context(), trainer.strategy.model_sharded_context(), \
+                    trainer.precision_plugin.module_init_context():
+                pl_module.configure_model()
         report = swap_norms(pl_module, self.options)
         self.report = report if self.report is None else self.report.merge(report)
         self._layers = describe_layers(pl_module, self.options.target)
-        if self.verbose and report.converted:
-            rank_zero_info(f"NormSwap (setup, stage={getattr(stage, 'value', stage)}): {report}")
+        self._unchecked = True
+        if self.verbose:
+            when = f"NormSwap (setup, stage={getattr(stage, 'value', stage)})"
+            if report.converted:
+                rank_zero_info(f"{when}: {report}")
+            elif self._layers:
+                count = f"{len(self._layers)} {self.options.target}"
+                rank_zero_info(f"{when}: the model's {count} norms were swapped already")
         self._remove_hook()
-        self._handle = pl_module.register_load_state_dict_pre_hook(self._check_weights)
+        self._handle = pl_module.register_load_state_dict_pre_hook(functools.partial(self._check_weights, trainer))
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stage_started(pl_module)
+        owned = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
+        modules = dict(pl_module.named_modules())
+        orphans = [name for name in self._layers if name in modules
+                   and any(p.requires_grad and id(p) not in owned for p in modules[name].parameters())]
+        if trainer.optimizers and orphans:
+            rank_zero_warn(
+                f"NormSwap: the swapped layers {orphans[:_SHOWN]} have trainable weights that no optimizer holds. "
+                "Create the optimizer in configure_optimizers from self.parameters() so it sees the new weights."
+            )
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stage_started(pl_module)
+
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stage_started(pl_module)
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._stage_started(pl_module)
+
+    def _stage_started(self, pl_module: nn.Module) -> None:
+        """Checkpoint weights are loaded by now: drop the check, and look once per setup for
+        norm layers built after the swap."""
         self._remove_hook()
-        late = [name for name, _, spec in iter_norm_layers(pl_module)
-                if spec.unsupported is None and name not in self._layers and not self._left_alone(name)]
+        if self._unchecked:
+            self._unchecked = False
+            self._refuse_late_layers(pl_module)
+
+    def _refuse_late_layers(self, pl_module: nn.Module) -> None:
+        report = self.report
+        seen = set(self._layers) | (set(report.skipped) | set(report.unchanged) if report is not None else set())
+        late = [name for name, _, spec in iter_norm_layers(pl_module) if spec.unsupported is None and name not in seen]
         if late:
             raise MisconfigurationException(
-                f"NormSwap: norm layers {late[:5]}{'...' if len(late) > 5 else ''} appeared after the swap, "
+                f"NormSwap: norm layers {late[:_SHOWN]}{'...' if len(late) > _SHOWN else ''} appeared after the swap, "
                 "probably built in LightningModule.setup, which Lightning runs after the callbacks' setup. "
                 "Build the model in __init__ or in configure_model (which NormSwap calls first), or call "
                 "lightning_mrs.swap_norms(...) yourself at the end of setup and drop NormSwap."
             )
-        owned = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
-        modules = dict(pl_module.named_modules())
-        orphans = [name for name in self._layers
-                   if any(p.requires_grad and id(p) not in owned for p in modules[name].parameters())]
-        if trainer.optimizers and orphans:
-            rank_zero_warn(
-                f"NormSwap: the swapped layers {orphans[:5]} have trainable weights that no optimizer holds. "
-                "Create the optimizer in configure_optimizers from self.parameters() so it sees the new weights."
-            )
-
-    def _left_alone(self, name: str) -> bool:
-        """A norm the swap saw and kept (skipped, excluded, of another kind)."""
-        report = self.report
-        return report is not None and (name in report.skipped or name in report.unchanged)
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._remove_hook()
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._remove_hook()  # the hook holds the trainer; the module must not keep it
 
     def _remove_hook(self) -> None:
         if self._handle is not None:
@@ -117,26 +164,47 @@ class NormSwap(Callback):
             self._handle = None
 
     # ------------------------------------------------------------------ checkpoints
-    def _check_weights(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Before Lightning loads a checkpoint's weights: the swapped layers' keys and shapes
-        must be those this run built, or the load would fail with bare size-mismatch errors."""
+    def _check_weights(
+        self, trainer: "pl.Trainer", module: nn.Module, state_dict: dict[str, Any], prefix: str,
+        local_metadata: Any, strict: bool, *args: Any,
+    ) -> None:
+        """Before Lightning loads a checkpoint's weights: every norm layer's keys and shapes
+        must be the checkpoint's, or the load would fail with bare size-mismatch errors."""
+        self._refuse_late_layers(module)
         own = module.state_dict()
-        modules = dict(module.named_modules())
-        bad = []
-        for name in self._layers:
-            here = {k: tuple(v.shape) for k, v in own.items() if k.startswith(f"{name}.")}
-            theirs = {k: tuple(v.shape) for k, v in state_dict.items() if k.startswith(f"{prefix}{name}.")}
-            theirs = {k[len(prefix):]: v for k, v in theirs.items()}
+        bad: dict[str, tuple[str, str]] = {}
+        for name, layer, _ in iter_norm_layers(module):
+            here = _shapes(own, f"{name}.")
+            theirs = _shapes(state_dict, f"{prefix}{name}.", strip=len(prefix))
+            if not strict:  # a partial load skips missing and unexpected keys; shapes still must fit
+                common = here.keys() & theirs.keys()
+                here = {k: v for k, v in here.items() if k in common}
+                theirs = {k: v for k, v in theirs.items() if k in common}
             if here != theirs:
-                bad.append(f"{name}: the checkpoint holds {_keys(theirs, name)}, this run built "
-                           f"{type(modules[name]).__name__} with {_keys(here, name)}")
-        if bad:
-            raise MisconfigurationException(
-                f"NormSwap({self.options.describe()}): the checkpoint's norm layers differ from the ones this run "
-                "built:\n  " + "\n  ".join(bad[:5]) + ("\n  ..." if len(bad) > 5 else "")
-                + "\nResume with the NormSwap options of the run that wrote the checkpoint (or without NormSwap if "
-                "it had none); for inference, NormSwap.restore(model, path) rebuilds what the checkpoint records."
-            )
+                bad[name] = (_keys(theirs, name), f"{_keys(here, name)} ({type(layer).__name__})")
+        if not bad:
+            return
+        spec = _checkpoint_spec(trainer)
+        saved = _records(spec) if spec is not None and "layers" in spec else None
+        lines = []
+        for name, (theirs, here) in bad.items():
+            ckpt = theirs if saved is None else f"{format_record(saved.get(name))} {theirs}"
+            lines.append(f"{name}: checkpoint {ckpt}, this run {format_record(self._layers.get(name))} {here}")
+        raise MisconfigurationException(self._refusal(spec, lines, "its weights cannot be loaded"))
+
+    def _refusal(self, spec: Optional[dict[str, Any]], lines: list[str], what: str) -> str:
+        if spec is None:
+            advice = ("The checkpoint has no NormSwap record: it was trained without NormSwap. Resume it without "
+                      "NormSwap; to fine-tune its weights with MRSNorm, load them into the model before fit (e.g. in "
+                      "__init__) instead of passing ckpt_path, and NormSwap swaps them with init='inherit'.")
+        else:
+            advice = (f"The checkpoint was written with NormSwap({_options_of(spec)}): resume with those options. "
+                      "For inference, NormSwap.restore(model, path) rebuilds what the checkpoint records.")
+        shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
+        return (
+            f"NormSwap({self.options.describe()}): the checkpoint's norm layers differ from the ones this run built, "
+            f"so {what}:\n  " + "\n  ".join(shown) + f"\n{advice}"
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -146,6 +214,7 @@ class NormSwap(Callback):
             "version": _SPEC_VERSION,
             "lightning_mrs": lightning_mrs.__version__,
             "target": self.options.target,
+            "options": self.options.describe(),  # for messages only: the layers are the record
             "layers": self._layers,
         }
 
@@ -155,17 +224,23 @@ class NormSwap(Callback):
             return
         if "layers" in state_dict:
             saved = _records(state_dict)
-            same = saved == self._layers
-        else:  # version 1 (lightning-mrs 0.1) recorded the converted names only
-            saved = {name: None for name in state_dict.get("converted", ())}
-            same = set(saved) <= set(self._layers)
-        if not same or state_dict.get("target") != self.options.target:
-            raise MisconfigurationException(
-                f"NormSwap: the checkpoint was trained with target={state_dict.get('target')!r} norms that differ "
-                f"from what NormSwap({self.options.describe()}) built in this run (checkpoint vs this run):\n  "
-                + "\n  ".join(differences(saved, self._layers))
-                + "\nResume with the checkpoint's options, or load it for inference with NormSwap.restore(model, path)."
-            )
+            if saved != self._layers:
+                raise MisconfigurationException(
+                    self._refusal(state_dict, differences(saved, self._layers, limit=len(saved) + len(self._layers)),
+                                  "training cannot resume")
+                )
+            return
+        # version 1 (lightning-mrs 0.1): the options and the names the swap converted
+        opts = self.options
+        converted = list(state_dict.get("converted") or ())
+        same = (state_dict.get("target"), state_dict.get("spatial", "auto"), state_dict.get("eps")) == (
+            opts.target, opts.spatial, opts.eps)
+        missing = [name for name in converted if name not in self._layers]
+        if not same or missing:
+            lines = [] if same else [f"checkpoint NormSwap({_options_of(state_dict)}), this run "
+                                     f"NormSwap({opts.describe()})"]
+            lines += [f"{name}: checkpoint converted it, this run did not" for name in missing]
+            raise MisconfigurationException(self._refusal(state_dict, lines, "training cannot resume"))
 
     @staticmethod
     def restore(
@@ -177,7 +252,8 @@ class NormSwap(Callback):
             model: a freshly built model of the class that was trained (a LightningModule,
                 or a plain module whose ``state_dict`` keys match the checkpoint's). Its
                 ``configure_model`` hook, if any, is called first.
-            checkpoint_path: a Lightning checkpoint written with ``NormSwap`` in the callbacks.
+            checkpoint_path: a Lightning checkpoint written with ``NormSwap`` in the callbacks
+                (by lightning-mrs 0.2, or 0.1).
             map_location: passed to ``torch.load``.
             strict: passed to ``load_state_dict``.
 
@@ -186,7 +262,7 @@ class NormSwap(Callback):
 
         Raises:
             ValueError: the checkpoint has no NormSwap record, or ``model`` cannot be made to
-                match it (another architecture).
+                match it (another architecture), listing the layers concerned.
 
         Example:
             >>> model = NormSwap.restore(LitResNet(), "epoch=9.ckpt").eval()  # doctest: +SKIP
@@ -202,14 +278,13 @@ class NormSwap(Callback):
         configure_model = getattr(model, "configure_model", None)
         if callable(configure_model):
             configure_model()  # models built there (Lightning asks for it to be idempotent)
-        if "layers" in spec:
-            try:
+        try:
+            if "layers" in spec:
                 rebuild(model, spec["target"], _records(spec))
-            except ValueError as err:
-                raise ValueError(f"NormSwap.restore({checkpoint_path}): {err}") from None
-        elif spec["converted"]:  # version 1 (lightning-mrs 0.1): the options and the converted names
-            swap_norms(model, spec["target"], spatial=spec["spatial"], eps=spec["eps"], include=spec["converted"],
-                       init="ones")
+            else:
+                rebuild_v1(model, spec)
+        except ValueError as err:
+            raise ValueError(f"NormSwap.restore({checkpoint_path}): {err}") from None
         model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
         return model
 
@@ -226,18 +301,23 @@ def _refuse_unsupported(trainer: "pl.Trainer") -> None:
         )
     if isinstance(strategy.launcher, _MultiProcessingLauncher):
         raise MisconfigurationException(
-            f"NormSwap does not support the {type(strategy.launcher).__name__} (strategy='ddp_spawn', "
-            "'ddp_fork' or 'ddp_notebook'): its worker processes swap their own copies of the model, and Lightning "
-            "then copies their weights back into the main process's model, which was never swapped. Use "
-            "strategy='ddp' (one script process per device), or, where only a fork works (notebooks), call "
-            "`lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's __init__ and remove "
-            "NormSwap from the callbacks."
+            "NormSwap does not support strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook' (Lightning's "
+            "multiprocessing launcher): the worker processes would swap and train their own copies of the model, "
+            "then Lightning loads rank 0's weights into the main process's model, which no callback can swap, and "
+            "that load fails. Use strategy='ddp' (one script process per device), or, where only a fork works "
+            "(notebooks), call `lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's "
+            "__init__ and remove NormSwap from the callbacks."
         )
+
+
+def _shapes(state: dict[str, Any], prefix: str, strip: int = 0) -> dict[str, tuple[int, ...]]:
+    """The shapes of ``state``'s entries under ``prefix``, keyed without the first ``strip`` characters."""
+    return {k[strip:]: tuple(v.shape) for k, v in state.items() if k.startswith(prefix) and hasattr(v, "shape")}
 
 
 def _keys(shapes: dict[str, tuple[int, ...]], name: str) -> str:
     if not shapes:
-        return "no weights"
+        return "[no weights]"
     return "[" + ", ".join(f"{k[len(name) + 1:]} {tuple(v)}" for k, v in sorted(shapes.items())) + "]"
 
 
@@ -245,8 +325,28 @@ def _records(spec: dict[str, Any]) -> dict[str, LayerRecord]:
     return {name: dict(record) for name, record in (spec.get("layers") or {}).items()}
 
 
+def _options_of(spec: dict[str, Any]) -> str:
+    if "options" in spec:
+        return str(spec["options"])
+    if "layers" in spec:
+        return f"target={spec.get('target')!r}, ..."
+    return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
+
+
 def _find_spec(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if str(key).startswith("NormSwap") and isinstance(state, dict) and ("layers" in state or "converted" in state):
             return state
     return None
+
+
+def _checkpoint_spec(trainer: "pl.Trainer") -> Optional[dict[str, Any]]:
+    """The NormSwap record of the checkpoint being resumed, read again for an error message
+    (the load-state-dict pre-hook sees the weights only); ``None`` when unreadable."""
+    path = trainer.ckpt_path
+    if not path:
+        return None
+    try:
+        return _find_spec(trainer.strategy.checkpoint_io.load_checkpoint(path, map_location="cpu"))
+    except Exception:  # noqa: BLE001 - only a better error message is at stake
+        return None

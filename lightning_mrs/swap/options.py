@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
@@ -69,8 +70,9 @@ class SwapOptions:
         if self.init not in _INITS:
             raise ValueError(f"SwapOptions: init={self.init!r} is not valid; choose one of {list(_INITS)}.")
         eps = self.eps
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0):
-            raise ValueError(f"SwapOptions: eps={eps!r} must be None (keep each layer's eps) or a float > 0.")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+            raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
+                             "finite float > 0.")
         object.__setattr__(self, "include", _selectors(self.include, "include"))
         object.__setattr__(self, "exclude", _selectors(self.exclude, "exclude"))
 

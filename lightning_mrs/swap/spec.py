@@ -5,7 +5,8 @@ A checkpoint must say what a swap *built*, not how it was asked for: ``spatial="
 training (a second ``fit``) has nothing left to convert but is every bit as swapped.
 :func:`describe_layers` lists every norm layer of the target's kind (``mrs``; ``rms``;
 ``layer``) with what decides its computation: kind, layout, per-sample or per-position,
-eps. :func:`rebuild` applies such a list to a freshly built model of the same class.
+eps. :func:`rebuild` applies such a list to a freshly built model of the same class, and
+:func:`differences` says, layer by layer, how two lists differ.
 
 Example:
     >>> from torch import nn
@@ -18,14 +19,16 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from torch import nn
 
 from lightning_mrs.swap.engine import swap_norms
+from lightning_mrs.swap.options import SWAP_TARGETS
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
-__all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "rebuild"]
+__all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "rebuild", "rebuild_v1"]
 
 LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"}: JSON-friendly
 
@@ -39,7 +42,30 @@ def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
 
 
 def describe_layers(model: nn.Module, target: str) -> dict[str, LayerRecord]:
-    """Every norm layer of ``model`` of ``target``'s kind: dotted name -> :data:`LayerRecord`."""
+    """Every norm layer of ``model`` of ``target``'s kind: dotted name -> :data:`LayerRecord`.
+
+    The layers a swap to ``target`` built are of that kind, and so are the ones that already
+    were (a model swapped before, or built with MRSNorm): all of them are listed.
+
+    Args:
+        model: any module.
+        target: ``"mrs"``, ``"rms"`` or ``"layer"``.
+
+    Returns:
+        ``{name: {"kind", "channel_dim", "spatial", "eps"}}`` in module order; a shared
+        instance under its first name; a fused norm+act layer's norm as ``<name>.norm``.
+
+    Raises:
+        ValueError: an unknown ``target``.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_mrs import MRSNorm
+        >>> describe_layers(nn.Sequential(nn.Linear(4, 6), MRSNorm(6, eps=1e-6)), "mrs")
+        {'1': {'kind': 'mrs', 'channel_dim': -1, 'spatial': None, 'eps': 1e-06}}
+    """
+    if target not in SWAP_TARGETS:
+        raise ValueError(f"describe_layers: target={target!r} is not valid; choose one of {list(SWAP_TARGETS)}.")
     records: dict[str, LayerRecord] = {}
     for name, module, spec in iter_norm_layers(model):
         if spec.unsupported is None and _of_target(module, spec, target):
@@ -48,42 +74,83 @@ def describe_layers(model: nn.Module, target: str) -> dict[str, LayerRecord]:
                 "kind": spec.kind,
                 "channel_dim": spec.channel_dim,
                 "spatial": spec.spatial,
-                "eps": float(eps) if isinstance(eps, (int, float)) else None,
+                "eps": float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None,
             }
     return records
 
 
 def format_record(record: Optional[LayerRecord]) -> str:
-    """A record as a short label, e.g. ``mrs(channels-first, per sample, eps=1e-05)``."""
+    """A record as a short label; ``None`` (no norm of the target's kind there) as ``not swapped``.
+
+    Example:
+        >>> format_record({"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5})
+        'mrs(channels-first, per sample, eps=1e-05)'
+    """
     if record is None:
-        return "no such norm"
-    layout = "channels-last" if record["channel_dim"] == -1 else "channels-first"
-    if record["spatial"] is not None:
+        return "not swapped"
+    layout = "channels-last" if record.get("channel_dim") == -1 else "channels-first"
+    if record.get("spatial") is not None:
         layout += ", per sample" if record["spatial"] else ", per position"
-    return f"{record['kind']}({layout}, eps={record['eps']:g})"
+    eps = record.get("eps")
+    return f"{record.get('kind')}({layout}, eps={'default' if eps is None else format(eps, 'g')})"
 
 
-def differences(expected: dict[str, LayerRecord], got: dict[str, LayerRecord], limit: int = 5) -> list[str]:
-    """Human-readable lines for the layers whose records differ (at most ``limit``)."""
+def differences(
+    expected: dict[str, LayerRecord],
+    got: dict[str, LayerRecord],
+    labels: tuple[str, str] = ("checkpoint", "this run"),
+    limit: int = 5,
+) -> list[str]:
+    """One line per layer whose records differ, naming both descriptions (at most ``limit``).
+
+    Example:
+        >>> a = {"1": {"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5}}
+        >>> differences(a, {"1": dict(a["1"], spatial=False)}, labels=("old", "new"))
+        ['1: old mrs(channels-first, per sample, eps=1e-05), new mrs(channels-first, per position, eps=1e-05)']
+    """
     lines = []
     for name in sorted(set(expected) | set(got)):
         if expected.get(name) != got.get(name):
-            lines.append(f"{name or '<root>'}: {format_record(expected.get(name))} vs {format_record(got.get(name))}")
+            lines.append(
+                f"{name or '<root>'}: {labels[0]} {format_record(expected.get(name))}, "
+                f"{labels[1]} {format_record(got.get(name))}"
+            )
     shown = lines[:limit]
     if len(lines) > limit:
         shown.append(f"... and {len(lines) - limit} more")
     return shown
 
 
+def _literal(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches only itself (ModuleDict keys may hold ``[``, ``*``...)."""
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
 def rebuild(model: nn.Module, target: str, records: dict[str, LayerRecord]) -> None:
     """Swap a freshly built ``model`` so that its ``target``-kind norms are ``records``.
 
-    A record named ``x.norm`` may come from a fused norm+act layer ``x`` (timm's
+    The new layers get fresh weights (``init="ones"``): load the trained ones afterwards. A
+    record named ``x.norm`` may come from a fused norm+act layer ``x`` (timm's
     ``BatchNormAct2d``), which the swap turns into ``NormAct(norm, drop, act)``.
+
+    Args:
+        model: a freshly built model of the class that was swapped.
+        target: the target of the recorded swap.
+        records: what :func:`describe_layers` gave for the swapped model.
 
     Raises:
         ValueError: the model cannot be made to match (another architecture), listing the
             layers that differ.
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_mrs import swap_norms
+        >>> trained = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+        >>> _ = swap_norms(trained, "mrs", spatial=False)
+        >>> fresh = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+        >>> rebuild(fresh, "mrs", describe_layers(trained, "mrs"))
+        >>> fresh[1]
+        MRSNorm2d(8, eps=1e-05, affine=True, spatial=False)
     """
     modules = dict(model.named_modules())
     groups: dict[tuple[Any, Optional[float]], list[str]] = {}
@@ -91,13 +158,48 @@ def rebuild(model: nn.Module, target: str, records: dict[str, LayerRecord]) -> N
         if name not in modules and name.endswith(".norm") and name[: -len(".norm")] in modules:
             name = name[: -len(".norm")]  # the fused norm+act layer this norm came from
         spatial = record["spatial"] if record["channel_dim"] == 1 else "auto"
-        groups.setdefault((spatial, record["eps"]), []).append(name)
+        groups.setdefault((spatial, record["eps"]), []).append(_literal(name))
     for (spatial, eps), names in groups.items():
         swap_norms(model, target, spatial=spatial, eps=eps, include=names, init="ones")
     got = describe_layers(model, target)
     if got != records:
         raise ValueError(
-            "the model does not match the recorded swap (recorded vs this model):\n  "
-            + "\n  ".join(differences(records, got))
+            "the model does not match the recorded swap:\n  "
+            + "\n  ".join(differences(records, got, labels=("recorded", "this model")))
             + "\nPass a freshly built model of the class that was trained."
+        )
+
+
+def rebuild_v1(model: nn.Module, record: dict[str, Any]) -> None:
+    """Swap a freshly built ``model`` as a lightning-mrs 0.1 NormSwap record says.
+
+    Version 1 recorded the swap's options and the names it converted
+    (``{"version": 1, "target", "spatial", "eps", "converted": [names]}``): the same swap,
+    limited to those names, rebuilds the layers.
+
+    Raises:
+        ValueError: the record names no layer (0.1 recorded nothing for a model swapped before
+            its fit), or a layer the model does not have as a norm to swap.
+
+    Example:
+        >>> from torch import nn
+        >>> fresh = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.BatchNorm2d(8))
+        >>> rebuild_v1(fresh, {"version": 1, "target": "mrs", "spatial": "auto", "eps": None, "converted": ["1"]})
+        >>> [type(m).__name__ for m in fresh]
+        ['Conv2d', 'MRSNorm2d', 'BatchNorm2d']
+    """
+    target, spatial, eps = record.get("target"), record.get("spatial", "auto"), record.get("eps")
+    names = list(record.get("converted") or ())
+    if not names:
+        raise ValueError(
+            "this lightning-mrs 0.1 record lists no converted layers (0.1 recorded none for a model swapped before "
+            f"its fit). Call lightning_mrs.swap_norms(model, {target!r}, spatial={spatial!r}, eps={eps!r}) with the "
+            "training options yourself, then model.load_state_dict(checkpoint['state_dict'])."
+        )
+    report = swap_norms(model, target, spatial=spatial, eps=eps, include=[_literal(n) for n in names], init="ones")
+    missing = [name for name in names if name not in report.converted]
+    if missing:
+        raise ValueError(
+            f"the record converted {missing[:5]}, which this model does not have as norm layers to swap. "
+            "Pass a freshly built model of the class that was trained."
         )

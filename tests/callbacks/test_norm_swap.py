@@ -1,90 +1,61 @@
-"""NormSwap in a real Trainer: optimizer ownership, training, resume, restore, refusals."""
+"""NormSwap in a real Trainer: optimizer ownership, training, resume, restore, refusals.
+
+The model is ``helpers.lightning.TinyModule`` (``conv_net``: ``net.1`` a BatchNorm2d(8),
+``net.5`` a LayerNorm(8)); the multi-process launchers are in ``test_norm_swap_ddp.py``.
+"""
 
 from __future__ import annotations
 
 import logging
+import pickle
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.lightning import TinyModule, image_data
+from lightning_mrs import MRSNorm, MRSNorm2d, NormAct, SwapOptions, swap_norms
 from lightning_mrs.callbacks import NormSwap
-from lightning_mrs import MRSNorm, MRSNorm2d
+
+BN = "mrs(channels-first, per sample, eps=1e-05)"  # what net.1 (BatchNorm2d) becomes by default
+X = image_data(4, seed=7).tensors[0]  # (4, 3, 7, 5): inputs to compare outputs on
 
 
-def _data() -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=8)
+def _save(trainer: pl.Trainer, path: Path) -> Path:
+    trainer.save_checkpoint(path)
+    return path
 
 
-def _backbone() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(8), nn.Linear(8, 4),
-    )
+def _record(path: Path) -> dict[str, Any]:
+    (state,) = [v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if k.startswith("NormSwap")]
+    return state
 
 
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = _backbone()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-class LateNet(Net):
-    """Builds its backbone in configure_model (idempotently, as Lightning asks)."""
-
-    def __init__(self) -> None:
-        pl.LightningModule.__init__(self)
-        self.net = None
-
-    def configure_model(self) -> None:
-        if self.net is None:
-            self.net = _backbone()
-
-
-class SetupNet(LateNet):
-    """Builds its backbone in LightningModule.setup (which runs after the callbacks' setup)."""
-
-    def configure_model(self) -> None:  # not used here
-        pass
-
-    def setup(self, stage: str) -> None:
-        if self.net is None:
-            self.net = _backbone()
-
-
-def _trainer(tmp_path, max_steps: int, *callbacks) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=list(callbacks),
-    )
+def _assert_same_model(restored: nn.Module, path: Path, trained: nn.Module) -> None:
+    """``restored`` holds exactly the checkpoint's weights and computes what ``trained`` does."""
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    got = restored.state_dict()
+    assert list(got) == list(saved)
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
+    torch.testing.assert_close(restored.eval()(X), trained.eval()(X), atol=0, rtol=0)
 
 
 def _owned(trainer: pl.Trainer) -> set[int]:
     return {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
 
 
-@pytest.mark.parametrize("net_cls", [Net, LateNet])
-def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tmp_path, net_cls, caplog):
-    model = net_cls()
+# ---------------------------------------------------------------------------------- fit
+@pytest.mark.parametrize("build", ["init", "configure_model"])
+def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tiny_fit, build, caplog):
     swap = NormSwap()
-    trainer = _trainer(tmp_path, 3, swap)
     with caplog.at_level(logging.INFO):
-        trainer.fit(model, _data())
+        trainer, model = tiny_fit(TinyModule(build=build), steps=3, callbacks=[swap])
     bn, ln = model.net[1], model.net[5]
     assert isinstance(bn, MRSNorm2d) and bn.spatial and isinstance(ln, MRSNorm)
     assert {id(bn.weight), id(ln.weight)} <= _owned(trainer)
@@ -93,103 +64,208 @@ def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tmp_path, net_
     assert "BatchNorm2d -> MRSNorm2d(spatial=True)" in caplog.text
     assert not {"setup", "configure_model", "on_load_checkpoint"} & set(vars(model))  # nothing rebound
     assert not model._load_state_dict_pre_hooks  # the checkpoint check is removed once training starts
-    import pickle
-
     pickle.dumps(model)  # nothing local left on the module
 
 
-def test_a_model_built_in_lightningmodule_setup_is_refused_before_training(tmp_path):
+def test_a_model_built_in_lightningmodule_setup_is_refused_before_training(tiny_fit):
     # Lightning runs LightningModule.setup after the callbacks' setup: too late to swap
-    with pytest.raises(MisconfigurationException, match=r"\['net.1', 'net.5'\] appeared after the swap.*configure_model"):
-        _trainer(tmp_path, 3, NormSwap()).fit(SetupNet(), _data())
+    model = TinyModule(build="setup")
+    with pytest.raises(MisconfigurationException, match=r"\['net.1', 'net.5'\] appeared after the swap.*configure_mod"):
+        tiny_fit(model, callbacks=[NormSwap()])
+    assert not model._load_state_dict_pre_hooks  # removed on the exception too
+    assert model.net[1].weight.grad is None  # no training step ran
 
 
-def test_checkpoint_resume_and_restore(tmp_path):
-    ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    _trainer(tmp_path, 2, NormSwap(), ckpt_cb).fit(Net(), _data())
-    path = tmp_path / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=False)
-    (state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("NormSwap")]
-    assert state["target"] == "mrs" and list(state["layers"]) == ["net.1", "net.5"]
-    assert state["layers"]["net.1"] == {"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5}
-
-    # resume: the fresh model is swapped in setup, then the weights load; training continues
-    resumed = _trainer(tmp_path, 4, NormSwap())
-    model = Net()
-    resumed.fit(model, _data(), ckpt_path=path)
-    assert resumed.global_step == 4 and isinstance(model.net[1], MRSNorm2d)
-
-    # restore: one line, exact weights
-    restored = NormSwap.restore(Net(), path)
-    got = restored.state_dict()
-    assert list(got) == list(checkpoint["state_dict"])
-    for key, value in checkpoint["state_dict"].items():
-        assert torch.equal(got[key], value), key
-    x = torch.randn(2, 3, 8, 8)
-    assert torch.isfinite(restored.eval().net(x)).all()
-
-
-def test_resume_with_other_options_is_refused_clearly(tmp_path):
-    _trainer(tmp_path, 1, NormSwap(), ModelCheckpoint(dirpath=tmp_path, save_last=True)).fit(Net(), _data())
-    model = Net()
-    with pytest.raises(MisconfigurationException, match=r"(?s)NormSwap\(target='rms'\).*net.1: the checkpoint holds \[weight \(4,\)\], this run built RMSNorm2d with \[weight \(8,\)\]"):
-        _trainer(tmp_path, 2, NormSwap("rms")).fit(model, _data(), ckpt_path=tmp_path / "last.ckpt")
-
-
-def test_restore_without_record_explains(tmp_path):
-    trainer = _trainer(tmp_path, 1, NormSwap())
-    trainer.fit(Net(), _data())
-    trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
-    with pytest.raises(ValueError, match="no NormSwap record"):
-        NormSwap.restore(Net(), tmp_path / "w.ckpt")
-
-
-def test_sharded_strategies_are_refused():
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    fake = SimpleNamespace(strategy=FSDPStrategy(), ckpt_path=None)
-    model = Net()
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*swap_norms"):
-        NormSwap().setup(fake, model, "fit")
-    assert isinstance(model.net[1], nn.BatchNorm2d)
-
-
-def test_arguments_are_validated_in_init():
-    with pytest.raises(ValueError, match="mrs"):
-        NormSwap("batch")
-    with pytest.raises(ValueError, match="inherit"):
-        NormSwap(init="random")
-    with pytest.raises(TypeError, match="pattern"):
-        NormSwap(exclude=[1.5])
-
-
-def test_options_reach_the_swap(tmp_path):
-    model = Net()
+def test_options_reach_the_swap(tiny_fit):
     swap = NormSwap("layer", exclude="net.5", spatial=False)
-    _trainer(tmp_path, 1, swap).fit(model, _data())
+    _, model = tiny_fit(callbacks=[swap], steps=1)
     assert type(model.net[1]).__name__ == "LayerNorm2d" and type(model.net[5]) is nn.LayerNorm
     assert "net.5" in swap.report.skipped
 
 
-class StaleOptimizerNet(Net):
+def test_a_swap_options_object_is_accepted():
+    options = SwapOptions("rms", spatial=False)
+    assert NormSwap(options).options == options
+    assert NormSwap(options, eps=1e-3).options == SwapOptions("rms", spatial=False, eps=1e-3)
+
+
+def test_arguments_are_validated_in_init():
+    with pytest.raises(ValueError, match=r"target='batch' is not valid; choose one of \['mrs', 'rms', 'layer'\]"):
+        NormSwap("batch")
+    with pytest.raises(ValueError, match="init='random' is not valid; choose one of"):
+        NormSwap(init="random")
+    with pytest.raises(TypeError, match="pattern"):
+        NormSwap(exclude=[1.5])
+    with pytest.raises(TypeError, match=r"NormSwap: unknown option\(s\) \['spatail'\]; valid options: \['target', "):
+        NormSwap(spatail=True)
+
+
+class StaleOptimizerModule(TinyModule):
     """Captures its parameter list in __init__, before the swap: the new weights are orphans."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stale = list(self.parameters())
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.stale, lr=0.1)
 
 
-def test_weights_outside_the_optimizer_are_warned_about(tmp_path):
+def test_weights_outside_the_optimizer_are_warned_about(tiny_fit):
     with pytest.warns(UserWarning, match=r"swapped layers \['net.1', 'net.5'\].*no optimizer holds"):
-        _trainer(tmp_path, 1, NormSwap()).fit(StaleOptimizerNet(), _data())
+        tiny_fit(StaleOptimizerModule(), steps=1, callbacks=[NormSwap()])
 
 
-def test_restore_builds_configure_model_models(tmp_path):
-    _trainer(tmp_path, 1, NormSwap(), ModelCheckpoint(dirpath=tmp_path, save_last=True)).fit(LateNet(), _data())
-    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    restored = NormSwap.restore(LateNet(), tmp_path / "last.ckpt")
-    assert isinstance(restored.net[1], MRSNorm2d)
-    assert all(torch.equal(restored.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
+# --------------------------------------------------------------------- refused strategies
+def test_sharded_strategies_are_refused():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    fake = SimpleNamespace(strategy=FSDPStrategy())
+    model = TinyModule()
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*swap_norms"):
+        NormSwap().setup(fake, model, "fit")
+    assert isinstance(model.net[1], nn.BatchNorm2d)
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "ddp_notebook"])
+def test_multiprocessing_launchers_are_refused_in_setup(strategy):
+    # what the workers run first (the real launches are in test_norm_swap_ddp.py)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    model = TinyModule()
+    with pytest.raises(MisconfigurationException, match="support strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook'"):
+        NormSwap().setup(trainer, model, "fit")
+    assert isinstance(model.net[1], nn.BatchNorm2d)
+
+
+# ------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("build", ["init", "configure_model"])
+def test_checkpoint_resume_and_restore(tiny_fit, tmp_path, build):
+    trainer, trained = tiny_fit(TinyModule(build=build), callbacks=[NormSwap()])
+    path = _save(trainer, tmp_path / "last.ckpt")
+    state = _record(path)
+    assert state["version"] == 2 and state["target"] == "mrs" and list(state["layers"]) == ["net.1", "net.5"]
+    assert state["layers"]["net.1"] == {"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5}
+    assert state["layers"]["net.5"] == {"kind": "mrs", "channel_dim": -1, "spatial": None, "eps": 1e-5}
+
+    # resume: the fresh model is swapped in setup, then the weights load; training continues
+    resumed, model = tiny_fit(TinyModule(build=build), steps=4, callbacks=[NormSwap()], ckpt_path=path)
+    assert resumed.global_step == 4 and isinstance(model.net[1], MRSNorm2d)
+
+    # restore: one line, exact weights and outputs
+    _assert_same_model(NormSwap.restore(TinyModule(build=build), path), path, trained)
+
+
+def test_a_second_fit_records_the_swapped_model(tiny_fit, tmp_path):
+    # defect: the second fit converted nothing and recorded nothing, so neither restore nor resume worked
+    _, model = tiny_fit(callbacks=[NormSwap()])
+    trainer, model = tiny_fit(model, callbacks=[NormSwap()])
+    path = _save(trainer, tmp_path / "second.ckpt")
+    _assert_same_model(NormSwap.restore(TinyModule(), path), path, model)
+    resumed, fresh = tiny_fit(TinyModule(), steps=4, callbacks=[NormSwap()], ckpt_path=path)
+    assert resumed.global_step == 4 and isinstance(fresh.net[1], MRSNorm2d)
+    assert list(_record(path)["layers"]) == ["net.1", "net.5"]
+
+
+def test_resume_accepts_other_options_that_build_the_same_layers(tiny_fit, tmp_path):
+    # spatial="auto" turns a BatchNorm into the per-sample MRSNorm2d that spatial=True asks for
+    trainer, _ = tiny_fit(callbacks=[NormSwap(spatial="auto")])
+    path = _save(trainer, tmp_path / "auto.ckpt")
+    resumed, model = tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=True)], ckpt_path=path)
+    assert resumed.global_step == 3 and model.net[1].spatial
+
+
+@pytest.mark.parametrize(
+    "options,lines",
+    [
+        (dict(spatial=False), [f"net.1: checkpoint {BN}, this run mrs(channels-first, per position, eps=1e-05)"]),
+        (dict(eps=1e-3), [f"net.1: checkpoint {BN}, this run mrs(channels-first, per sample, eps=0.001)",
+                          "net.5: checkpoint mrs(channels-last, eps=1e-05), this run mrs(channels-last, eps=0.001)"]),
+        # other weights: refused before Lightning loads them (no bare size mismatch)
+        (dict(target="rms"), [f"net.1: checkpoint {BN} [weight (4,)], this run rms2d(channels-first, per sample, "
+                              "eps=1e-05) [weight (8,)] (RMSNorm2d)"]),
+        (dict(exclude="net.5"), ["net.5: checkpoint mrs(channels-last, eps=1e-05) [weight (4,)], this run not swapped "
+                                 "[bias (8,), weight (8,)] (LayerNorm)"]),
+    ],
+    ids=["spatial", "eps", "target", "exclude"],
+)
+def test_resume_refuses_other_layers_naming_both(tiny_fit, tmp_path, options, lines):
+    trainer, _ = tiny_fit(callbacks=[NormSwap()])
+    path = _save(trainer, tmp_path / "last.ckpt")
+    with pytest.raises(MisconfigurationException) as info:
+        tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(**options)], ckpt_path=path)
+    message = str(info.value)
+    assert message.startswith(f"NormSwap({SwapOptions(**options).describe()}): the checkpoint's norm layers differ")
+    for line in lines:
+        assert f"\n  {line}" in message
+    assert "written with NormSwap(target='mrs'): resume with those options" in message
+    assert "NormSwap.restore(model, path)" in message
+
+
+def test_resume_of_a_checkpoint_trained_without_normswap_explains(tiny_fit, tmp_path):
+    trainer, _ = tiny_fit()
+    path = _save(trainer, tmp_path / "plain.ckpt")
+    with pytest.raises(MisconfigurationException) as info:
+        tiny_fit(TinyModule(), callbacks=[NormSwap()], ckpt_path=path)
+    message = str(info.value)
+    assert (f"\n  net.1: checkpoint [bias (8,), num_batches_tracked (), running_mean (8,), running_var (8,), "
+            f"weight (8,)], this run {BN} [weight (4,)] (MRSNorm2d)\n") in message
+    assert "no NormSwap record: it was trained without NormSwap" in message and "NormSwap.restore" not in message
+
+
+def test_restore_without_record_explains(tiny_fit, tmp_path):
+    trainer, _ = tiny_fit(callbacks=[NormSwap()], steps=1)
+    trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
+    with pytest.raises(ValueError, match="no NormSwap record"):
+        NormSwap.restore(TinyModule(), tmp_path / "w.ckpt")
+
+
+def _fused_net() -> nn.Sequential:
+    from timm.layers import BatchNormAct2d
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), BatchNormAct2d(8, act_layer=nn.ReLU),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )
+
+
+def test_timm_fused_norm_act_restores_exactly(tiny_fit, tmp_path):
+    pytest.importorskip("timm")
+    trainer, trained = tiny_fit(TinyModule(_fused_net), callbacks=[NormSwap()])
+    path = _save(trainer, tmp_path / "fused.ckpt")
+    assert list(_record(path)["layers"]) == ["net.1.norm"]  # while a fresh model has the fused layer at net.1
+    restored = NormSwap.restore(TinyModule(_fused_net), path)
+    layer = restored.net[1]
+    assert isinstance(layer, NormAct) and isinstance(layer.norm, MRSNorm2d) and isinstance(layer.act, nn.ReLU)
+    _assert_same_model(restored, path, trained)
+
+
+# ------------------------------------------------------- checkpoints of lightning-mrs 0.1
+def _v1_record(spatial: Any) -> dict[str, Any]:
+    return {"version": 1, "lightning_mrs": "0.1.0", "target": "mrs", "spatial": spatial, "eps": None,
+            "converted": ["net.1", "net.5"]}
+
+
+@pytest.mark.parametrize("spatial", ["auto", False])
+def test_version_1_checkpoints_restore(tmp_path, spatial):
+    trained = TinyModule()
+    swap_norms(trained, "mrs", spatial=spatial)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.uniform_(0.5, 1.5)  # trained weights: restore must load them
+    path = tmp_path / "v1.ckpt"
+    torch.save({"state_dict": trained.state_dict(), "callbacks": {"NormSwap": _v1_record(spatial)}}, path)
+    restored = NormSwap.restore(TinyModule(), path)
+    assert isinstance(restored.net[1], MRSNorm2d) and restored.net[1].spatial is (spatial == "auto")
+    _assert_same_model(restored, path, trained)
+
+
+def test_version_1_checkpoints_resume_with_their_options(tiny_fit, tmp_path):
+    trainer, _ = tiny_fit(callbacks=[NormSwap()])
+    checkpoint = torch.load(_save(trainer, tmp_path / "v2.ckpt"), weights_only=False)
+    checkpoint["callbacks"] = {"NormSwap": _v1_record("auto")}
+    torch.save(checkpoint, tmp_path / "v1.ckpt")
+    resumed, _ = tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap()], ckpt_path=tmp_path / "v1.ckpt")
+    assert resumed.global_step == 3
+    with pytest.raises(MisconfigurationException, match=r"checkpoint NormSwap\(target='mrs', spatial='auto', "
+                       r"eps=None\), this run NormSwap\(target='mrs', spatial=False\)"):
+        tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=False)], ckpt_path=tmp_path / "v1.ckpt")

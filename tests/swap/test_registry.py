@@ -143,3 +143,67 @@ def test_iter_norm_layers_names_each_shared_instance_once():
     got = [(name, type(m).__name__, spec.kind) for name, m, spec in iter_norm_layers(model)]
     assert got == [("1", "BatchNorm2d", "batch"), ("2.1", "GroupNorm", "group")]
     assert [n for n, _, _ in iter_norm_layers(nn.LayerNorm(4))] == [""]
+
+
+# ------------------------------------------------------------ who writes the registry
+PACKAGE_DIRS = ("lightning_mrs", "callbacks", "recipes")
+OWN_LAYERS = {"MRSNorm", "MRSNorm2d", "LayerNorm2d", "RMSNorm2d"}
+
+
+def test_the_projects_own_layers_go_through_register_norm():
+    import ast
+
+    from helpers import ROOT
+
+    # nothing but the registry module touches its private table
+    users = sorted(str(p.relative_to(ROOT)) for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")
+                   if "_REGISTRY" in p.read_text())
+    assert users == ["lightning_mrs/swap/registry.py"]
+    tree = ast.parse((ROOT / "lightning_mrs/swap/registry.py").read_text())
+    # ... and within it, only register_norm assigns entries; the builtins only setdefault (a user's entry wins)
+    for func in [n for n in tree.body if isinstance(n, ast.FunctionDef)]:
+        for node in ast.walk(func):
+            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+                assert func.name == "register_norm" and ast.unparse(node.value) == "_REGISTRY", ast.unparse(node)
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "_REGISTRY":
+                assert node.attr == "get" or (node.attr == "setdefault" and func.name in ("_add", "_load_builtins"))
+    module_level = [ast.unparse(n) for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not [line for line in module_level if "_REGISTRY" in line and not line.startswith("_REGISTRY: dict")]
+    registered = {n.value.args[0].id for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
+                  and ast.unparse(n.value.func) == "register_norm"}
+    assert registered == OWN_LAYERS
+    for cls in (MRSNorm, MRSNorm2d, swap_layers.LayerNorm2d, swap_layers.RMSNorm2d):  # and they are known
+        assert norm_spec(cls(4)) is not None and norm_spec(cls(4)).unsupported is None
+
+
+_USER_WINS = """
+import json
+from torch import nn
+from timm.layers import norm as tn
+from lightning_mrs import norm_spec, register_norm
+
+out = {}
+# before the builtins load (they load on the first lookup)
+register_norm(nn.GroupNorm, "layer2d", 1, spatial=False)
+out["before"] = norm_spec(nn.GroupNorm(2, 4)).kind
+# after they loaded: timm's LayerNorm2d has its own builtin entry
+out["builtin"] = norm_spec(tn.LayerNorm2d(4)).kind
+register_norm(tn.LayerNorm2d, "rms2d", 1, spatial=True)
+out["after"] = [norm_spec(tn.LayerNorm2d(4)).kind, norm_spec(tn.LayerNorm2d(4)).spatial]
+out["subclass"] = norm_spec(type("Sub", (tn.LayerNorm2d,), {})(4)).kind
+print(json.dumps(out))
+"""
+
+
+def test_a_users_entry_for_a_builtin_class_wins_before_and_after_the_builtins_load():
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    # a fresh process: the builtins must not have loaded yet
+    proc = subprocess.run([sys.executable, "-c", _USER_WINS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"before": "layer2d", "builtin": "layer2d", "after": ["rms2d", True], "subclass": "rms2d"}

@@ -1,0 +1,83 @@
+"""SwapOptions: validation with the valid choices in the message, and one object for both entry points."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+from torch import nn
+
+from lightning_mrs import RMSNorm2d, SwapOptions, swap_norms
+
+FIELDS = [f.name for f in dataclasses.fields(SwapOptions)]
+
+
+def _net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Linear(4, 6), nn.LayerNorm(6))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer']"),
+        (dict(target=None), "target=None is not valid; choose one of ['mrs', 'rms', 'layer']"),
+        (dict(spatial="yes"), "spatial='yes' is not valid; choose one of ['auto', True, False]"),
+        (dict(spatial=1), "spatial=1 is not valid; choose one of ['auto', True, False]"),
+        (dict(init="zeros"), "init='zeros' is not valid; choose one of ['inherit', 'ones']"),
+        *[(dict(eps=eps), f"eps={eps!r} is not valid; choose None (keep each layer's eps) or a finite float > 0")
+          for eps in (0.0, -1e-5, True, "1e-5", math.nan, math.inf)],
+    ],
+)
+def test_bad_values_raise_listing_the_valid_ones(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SwapOptions(**kwargs)
+    model = _net()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        swap_norms(model, **kwargs)
+    assert isinstance(model[1], nn.BatchNorm2d)  # untouched
+
+
+def test_unknown_options_raise_listing_the_valid_ones():
+    valid = f"valid options: {FIELDS}"
+    with pytest.raises(TypeError, match=re.escape(f"swap_norms: unknown option(s) ['spatail']; {valid}")):
+        swap_norms(_net(), spatail=True)
+    with pytest.raises(TypeError, match=re.escape(f"unknown option(s) ['a', 'b']; {valid}")):
+        swap_norms(_net(), SwapOptions(), b=1, a=2)  # also next to an options object
+
+
+def test_selectors_become_tuples_and_bad_entries_are_refused():
+    assert SwapOptions(include="head").include == ("head",)
+    assert SwapOptions(exclude=[nn.BatchNorm2d, "a.*"]).exclude == (nn.BatchNorm2d, "a.*")
+    assert SwapOptions().include == () and SwapOptions().exclude == ()
+    with pytest.raises(TypeError, match=r"exclude=...\): each entry must be a module type .* or a dotted-name pattern"):
+        SwapOptions(exclude=["a", 3])
+
+
+def test_options_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SwapOptions().target = "rms"
+
+
+def test_an_options_object_does_what_the_keywords_do():
+    options = SwapOptions("rms", spatial=False, exclude="3")
+    by_object, by_keywords = _net(), _net()
+    report = swap_norms(by_object, options)
+    swap_norms(by_keywords, "rms", spatial=False, exclude="3")
+    assert report.options == options
+    assert [type(m) for m in by_object] == [type(m) for m in by_keywords]
+    assert [type(m) for m in by_object] == [nn.Conv2d, RMSNorm2d, nn.Linear, nn.LayerNorm]
+    assert not by_object[1].spatial
+    # keywords next to an object replace its fields
+    model = _net()
+    assert swap_norms(model, options, spatial=True, exclude=()).options == SwapOptions("rms", spatial=True)
+    assert isinstance(model[1], RMSNorm2d) and model[1].spatial and isinstance(model[3], nn.RMSNorm)
+
+
+def test_describe_lists_what_differs_from_the_defaults():
+    assert SwapOptions().describe() == "target='mrs'"
+    assert SwapOptions("rms", spatial=False, exclude="head", eps=1e-3).describe() == (
+        "target='rms', spatial=False, exclude=('head',), eps=0.001"
+    )
+    assert SwapOptions("mrs", spatial="auto", init="inherit").describe() == "target='mrs'"
