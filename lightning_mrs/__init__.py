@@ -9,13 +9,17 @@ from lightning_mrs.modules import MRSNorm, MRSNorm2d
 from lightning_mrs.ops import mrs_norm, mrs_scale
 from lightning_mrs.stats import aggregate_stats, layer_stats, phasor_sums, weight_grad_stats
 from lightning_mrs.swap import (
+    QK_NORMS,
     SWAP_TARGETS,
+    AttentionInfo,
     LayerNorm2d,
     NormAct,
     NormSpec,
     RMSNorm2d,
     SwapOptions,
     SwapReport,
+    expose_attention,
+    iter_attention_layers,
     iter_norm_layers,
     norm_spec,
     register_norm,
@@ -26,6 +30,7 @@ __all__ = [
     "MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale",
     "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "NormAct",
     "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS",
+    "QK_NORMS", "AttentionInfo", "iter_attention_layers", "expose_attention",
     "phasor_sums", "layer_stats", "aggregate_stats", "weight_grad_stats",
 ]
 __version__ = "0.2.0"

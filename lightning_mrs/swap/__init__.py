@@ -9,15 +9,21 @@
 ``engine.py``    ``swap_norms``: plan every layer, then rewrite the model
 ``spec.py``      a swapped model's norms as data (checkpoints), rebuilt on a fresh model
 ================ =============================================================
+
+Attention layers (QK-norms, ``qk_norm``): ``attention.py`` finds them and plans the QK-norms
+(``iter_attention_layers``); ``attention_torchvision.py`` rebuilds torch/torchvision attention
+with ``q_norm``/``k_norm`` (it imports torchvision's models, so it is loaded on first use).
 """
 
+from lightning_mrs.swap.attention import AttentionInfo, expose_attention, iter_attention_layers, register_attention
 from lightning_mrs.swap.engine import swap_norms
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, RMSNorm2d
-from lightning_mrs.swap.options import SWAP_TARGETS, Selector, SwapOptions
+from lightning_mrs.swap.options import QK_NORMS, SWAP_TARGETS, Selector, SwapOptions
 from lightning_mrs.swap.registry import NORM_KINDS, NormSpec, iter_norm_layers, norm_spec, register_norm
 from lightning_mrs.swap.report import SwapReport
 
 __all__ = [
     "LayerNorm2d", "NORM_KINDS", "NormAct", "NormSpec", "RMSNorm2d", "SWAP_TARGETS", "Selector",
     "SwapOptions", "SwapReport", "iter_norm_layers", "norm_spec", "register_norm", "swap_norms",
+    "QK_NORMS", "AttentionInfo", "expose_attention", "iter_attention_layers", "register_attention",
 ]

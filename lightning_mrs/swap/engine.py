@@ -2,7 +2,8 @@
 
 The swap first plans every layer (what it becomes, or why it is left alone), raises on any
 problem under ``strict=True`` before touching the model, then rewrites the model in place.
-See :class:`lightning_mrs.swap.SwapOptions` for the options.
+See :class:`lightning_mrs.swap.SwapOptions` for the options; the QK-norms of attention
+layers (``qk_norm``) are planned by :mod:`lightning_mrs.swap.attention`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from lightning_mrs.swap.attention import plan_attention
 from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import NormSpec, norm_spec
@@ -35,15 +37,24 @@ def _matches(module: nn.Module, names: list[str], selectors: tuple[Union[str, ty
     return None
 
 
-def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **options: Any) -> SwapReport:
+def _deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Optional[str]:
+    """Why ``include``/``exclude`` leave ``module`` out, or ``None``."""
+    hit = _matches(module, names, opts.exclude) if opts.exclude else None
+    if hit is not None:
+        return f"excluded by exclude={hit}"
+    return "not matched by include" if opts.include and _matches(module, names, opts.include) is None else None
+
+
+def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", **options: Any) -> SwapReport:
     """Replace the norm layers of ``model`` in place; return what was done.
 
     Args:
         model: any module (timm, torchvision, your own). Its root must not itself be a norm
             layer to replace: wrap it first, e.g. ``nn.Sequential(norm)``.
-        target: ``"mrs"``, ``"rms"`` or ``"layer"``, or a whole :class:`SwapOptions`.
+        target: ``"mrs"``, ``"rms"`` or ``"layer"``, ``None`` (keep the body's norms), or a
+            whole :class:`SwapOptions`.
         **options: the other fields of :class:`SwapOptions` (``spatial``, ``include``,
-            ``exclude``, ``init``, ``eps``, ``strict``).
+            ``exclude``, ``init``, ``eps``, ``strict``, ``qk_norm``).
 
     Returns:
         A :class:`SwapReport`; ``print(report)`` gives the summary.
@@ -59,6 +70,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
         >>> report = swap_norms(model, "mrs")
         >>> len(report.converted), report.changes["bn1"]
         (20, ('BatchNorm2d', 'MRSNorm2d(spatial=True)'))
+        >>> vit = torchvision.models.VisionTransformer(32, 8, 1, 2, 16, 32)
+        >>> sorted(swap_norms(vit, None, qk_norm="mrs").qk_added)  # MRS QK-norms, LayerNorms kept
+        ['encoder.layers.encoder_layer_0.self_attention.k_norm', 'encoder.layers.encoder_layer_0.self_attention.q_norm']
     """
     opts = SwapOptions.of(target, "swap_norms", **options)
     target, spatial, strict = opts.target, opts.spatial, opts.strict
@@ -73,6 +87,7 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
             if child is not None:
                 refs.append((parent, attr, child))
                 names.setdefault(id(child), []).append(f"{parent_name}.{attr}" if parent_name else attr)
+    qk = plan_attention(model, opts, report, lambda module, qk_names: _deselected(opts, module, qk_names))
 
     # 2. plan: what each distinct norm becomes, or why it stays
     plans: dict[int, tuple[nn.Module, NormSpec, Plan]] = {}
@@ -80,7 +95,8 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
     problems: list[str] = []
     for name, module in model.named_modules():
         spec = norm_spec(module)
-        if spec is None:
+        kind = qk.target_of(module, target)  # a QK-norm follows qk_norm, the other norms target
+        if spec is None or kind is None:
             continue
         all_names = names.get(id(module), [name]) if name else [""]
         others = [n for n in all_names if n != name]
@@ -101,11 +117,11 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
         if spec.unsupported:
             skip(spec.unsupported)
             continue
-        plan = plan_replacement(module, spec, target, spatial)
+        plan = plan_replacement(module, spec, kind, spatial)
         if plan is None:
             report.unchanged.append(name)
             continue
-        if target == "mrs" and spec.num_channels % 2:
+        if kind == "mrs" and spec.num_channels % 2:
             skip(
                 f"odd channel count {spec.num_channels}: MRSNorm pairs adjacent channels; make the "
                 "width even, keep this norm (exclude it), or use target='rms'/'layer'"
@@ -123,6 +139,7 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
         report.converted.append(name)
         for alias in others:
             report.aliases[alias] = name
+    problems += qk.problems if strict else []
     if problems:
         raise ValueError(
             "swap_norms(strict=True): these norm layers cannot be swapped (nothing was changed):\n  "
@@ -131,10 +148,12 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions] = "mrs", **opti
 
     # 3. build each replacement once, then point every reference at it (shared stays shared)
     new_modules = {key: build_replacement(m, spec, plan, opts.init, opts.eps) for key, (m, spec, plan) in plans.items()}
+    new_modules.update(qk.replacements)  # attention layers rebuilt to take a QK-norm
     for parent, attr, child in refs:
         new = new_modules.get(id(child))
         if new is not None:
             setattr(parent, attr, new)
+    qk.apply()
     for name in report.converted:
         old, spec, plan = plans[id(old_by_name[name])]
         report.changes[name] = (type(old).__qualname__, plan.label + ("+act" if spec.fused_act else ""))

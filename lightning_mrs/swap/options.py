@@ -7,9 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-__all__ = ["SWAP_TARGETS", "Selector", "SwapOptions"]
+__all__ = ["QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions"]
 
 SWAP_TARGETS = ("mrs", "rms", "layer")
+#: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
+#: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
+QK_NORMS = (None, True, False, *SWAP_TARGETS)
 _INITS = ("inherit", "ones")
 _SPATIAL = ("auto", True, False)
 Selector = Union[str, type, Iterable[Union[str, type]], None]
@@ -34,7 +37,18 @@ class SwapOptions:
 
     Attributes:
         target: ``"mrs"`` (MRSNorm / MRSNorm2d), or the baselines ``"rms"`` (nn.RMSNorm /
-            RMSNorm2d) and ``"layer"`` (nn.LayerNorm / LayerNorm2d / GroupNorm(1, C)).
+            RMSNorm2d) and ``"layer"`` (nn.LayerNorm / LayerNorm2d / GroupNorm(1, C)), or
+            ``None``: the body's norms stay as they are (vary the QK-norm alone, ``qk_norm``).
+        qk_norm: the per-head norm on the queries and keys of attention layers (QK-norm;
+            see :mod:`lightning_mrs.swap.attention`). ``None`` (default): a QK-norm the model
+            already has is a norm like any other and follows ``target``; none is added.
+            ``True``: every attention layer gets a QK-norm of the target's kind (added where
+            it has none, swapped where it has one). ``"mrs"``/``"rms"``/``"layer"``: the same,
+            of that kind whatever ``target`` is. ``False``: QK-norms are left alone and none
+            is added. ``target=None`` with ``qk_norm`` ``None``/``False`` asks for nothing:
+            the swap is a no-op whose report says so (a sweep's "keep the model" arm).
+            An added QK-norm has unit weights and ``eps`` (``1e-6`` when ``eps`` is None);
+            ``include``/``exclude`` select it by the names ``<attention layer>.q_norm``/``.k_norm``.
         spatial: channels-first sources only. ``"auto"``: BatchNorm/GroupNorm/InstanceNorm
             become per-sample (one scale per sample over all positions), LayerNorm2d/RmsNorm2d
             stay per-position; ``True``/``False`` force per-sample / per-position.
@@ -52,19 +66,33 @@ class SwapOptions:
     Example:
         >>> SwapOptions("rms", exclude="head").exclude
         ('head',)
+        >>> SwapOptions(None, qk_norm="mrs").qk_kind  # MRS QK-norms, body norms kept
+        'mrs'
     """
 
-    target: str = "mrs"
+    target: Optional[str] = "mrs"
     spatial: Union[str, bool] = "auto"
     include: Selector = None
     exclude: Selector = None
     init: str = "inherit"
     eps: Optional[float] = None
     strict: bool = False
+    qk_norm: Union[bool, str, None] = None
 
     def __post_init__(self) -> None:
-        if self.target not in SWAP_TARGETS:
-            raise ValueError(f"SwapOptions: target={self.target!r} is not valid; choose one of {list(SWAP_TARGETS)}.")
+        if self.target is not None and self.target not in SWAP_TARGETS:
+            raise ValueError(
+                f"SwapOptions: target={self.target!r} is not valid; choose one of {list(SWAP_TARGETS)}, "
+                "or None to keep the body's norms."
+            )
+        qk = self.qk_norm
+        if not any(qk is v for v in (None, True, False)) and (not isinstance(qk, str) or qk not in SWAP_TARGETS):
+            raise ValueError(f"SwapOptions: qk_norm={qk!r} is not valid; choose one of {list(QK_NORMS)}.")
+        if qk is True and self.target is None:
+            raise ValueError(
+                "SwapOptions: qk_norm=True asks for QK-norms of the target's kind, but target=None; name the "
+                f"kind instead, e.g. qk_norm='mrs' (one of {list(SWAP_TARGETS)})."
+            )
         if not any(self.spatial is s for s in _SPATIAL) and self.spatial != "auto":
             raise ValueError(f"SwapOptions: spatial={self.spatial!r} is not valid; choose one of {list(_SPATIAL)}.")
         if self.init not in _INITS:
@@ -77,7 +105,7 @@ class SwapOptions:
         object.__setattr__(self, "exclude", _selectors(self.exclude, "exclude"))
 
     @classmethod
-    def of(cls, target: Union[str, "SwapOptions"], caller: str, **options: Any) -> "SwapOptions":
+    def of(cls, target: Union[str, "SwapOptions", None], caller: str, **options: Any) -> "SwapOptions":
         """``target`` as options: a ``SwapOptions`` (with ``options`` replacing fields) or a
         target name with the other fields as keywords.
 
@@ -91,6 +119,13 @@ class SwapOptions:
         if isinstance(target, SwapOptions):
             return dataclasses.replace(target, **options)
         return cls(target, **options)
+
+    @property
+    def qk_kind(self) -> Optional[str]:
+        """The kind of QK-norm every attention layer gets (``None``: none is added)."""
+        if self.qk_norm is True:
+            return self.target
+        return self.qk_norm if isinstance(self.qk_norm, str) else None
 
     def describe(self) -> str:
         """The options that differ from the defaults, as keyword arguments."""

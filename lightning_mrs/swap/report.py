@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lightning_mrs.swap.options import SwapOptions
 
@@ -15,7 +16,7 @@ class SwapReport:
     """What :func:`swap_norms` did.
 
     Attributes:
-        target: ``"mrs"``, ``"rms"`` or ``"layer"``.
+        target: ``"mrs"``, ``"rms"`` or ``"layer"``, or ``None`` (body norms kept).
         converted: dotted names of the norm layers replaced (a shared instance under its
             first name; see ``aliases``).
         skipped: every norm layer left alone (all of its names) -> the reason.
@@ -24,9 +25,15 @@ class SwapReport:
         aliases: other names of shared norm instances -> their first name.
         options: the options of the swap.
         notes: things a user should know (e.g. hooks on an old layer that did not move).
+        qk_added: QK-norms added where an attention layer had none: dotted name of the new
+            norm (``<layer>.q_norm``) -> its label (``"MRSNorm(64)"``). Existing QK-norms that
+            changed kind are in ``converted``.
+        attention_replaced: torch/torchvision attention layers rebuilt to take a QK-norm:
+            name -> ``(old class name, new class name)``.
+        attention_skipped: attention layers that got no QK-norm -> the reason.
     """
 
-    target: str
+    target: Optional[str]
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     unchanged: list[str] = field(default_factory=list)
@@ -34,6 +41,9 @@ class SwapReport:
     aliases: dict[str, str] = field(default_factory=dict)
     options: SwapOptions = field(default_factory=SwapOptions)
     notes: list[str] = field(default_factory=list)
+    qk_added: dict[str, str] = field(default_factory=dict)
+    attention_replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    attention_skipped: dict[str, str] = field(default_factory=dict)
 
     def counts(self) -> Counter:
         """``(old class, new label) -> count`` over the converted layers."""
@@ -47,13 +57,19 @@ class SwapReport:
         self.unchanged = [n for n in dict.fromkeys(self.unchanged + other.unchanged) if n not in self.changes]
         self.aliases.update(other.aliases)
         self.notes += [n for n in other.notes if n not in self.notes]
+        self.qk_added.update(other.qk_added)
+        self.attention_replaced.update(other.attention_replaced)
+        self.attention_skipped = {n: r for n, r in {**self.attention_skipped, **other.attention_skipped}.items()
+                                  if not any(k.startswith(f"{n}.") for k in self.qk_added)}
         return self
 
     def __str__(self) -> str:
         skipped = {n: r for n, r in self.skipped.items() if n not in self.aliases}
+        qk_norm = self.options.qk_norm
         lines = [
-            f"swap_norms(target={self.target!r}): {len(self.converted)} converted, "
-            f"{len(skipped)} skipped, {len(self.unchanged)} already {self.target}"
+            f"swap_norms(target={self.target!r}{'' if qk_norm is None else f', qk_norm={qk_norm!r}'}): "
+            f"{len(self.converted)} converted, {len(skipped)} skipped, "
+            f"{len(self.unchanged)} already {self.target or self.options.qk_kind or 'as asked'}"
         ]
         width = max((len(f"{o} -> {n}") for o, n in self.counts()), default=0)
         for (old, new), count in sorted(self.counts().items()):
@@ -63,13 +79,36 @@ class SwapReport:
             lines.append(f"  ({len(qk)} of them attention QK-norms: phasor attention)")
         if self.aliases:
             lines.append(f"  ({len(self.aliases)} extra references to shared norms kept shared)")
+        lines += self._attention_lines()
         lines += [f"note: {note}" for note in self.notes]
         if skipped:
-            by_reason: dict[str, list[str]] = {}
-            for name, reason in skipped.items():
-                by_reason.setdefault(reason, []).append(name or "<root>")
             lines.append(f"skipped ({len(skipped)}):")
-            for reason, names in by_reason.items():
-                shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
-                lines.append(f"  {shown}: {reason}")
+            lines += _by_reason(skipped)
         return "\n".join(lines)
+
+    def _attention_lines(self) -> list[str]:
+        """The QK-norms added, apart from the converted norms, and the attention layers skipped."""
+        lines = []
+        if self.qk_added:
+            layers = {name.rsplit(".", 1)[0] for name in self.qk_added}
+            labels = ", ".join(f"{label} x{n}" for label, n in sorted(Counter(self.qk_added.values()).items()))
+            plural = "s" if len(layers) > 1 else ""
+            lines.append(f"QK-norms added: {len(self.qk_added)} in {len(layers)} attention layer{plural} ({labels})")
+        for (old, new), count in sorted(Counter(self.attention_replaced.values()).items()):
+            lines.append(f"  {old} -> {new} (same weights, takes the QK-norm)  x{count}")
+        if self.attention_skipped:
+            lines.append(f"attention layers without a QK-norm ({len(self.attention_skipped)}):")
+            lines += _by_reason(self.attention_skipped)
+        return lines
+
+
+def _by_reason(skipped: dict[str, str]) -> list[str]:
+    """One line per reason with the first few names it applies to."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(name or "<root>")
+    lines = []
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3})" if len(names) > 3 else "")
+        lines.append(f"  {shown}: {reason}")
+    return lines
