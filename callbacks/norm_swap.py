@@ -44,6 +44,7 @@ __all__ = ["NormSwap"]
 
 _SPEC_VERSION = 2
 _SHOWN = 5  # layers listed in an error message
+_QK_SUFFIXES = (".q_norm", ".k_norm")  # attention QK-norms, which a swap may add
 
 
 class NormSwap(Callback):
@@ -97,7 +98,7 @@ class NormSwap(Callback):
         self._unchecked = True
         if self.verbose:
             when = f"NormSwap (setup, stage={getattr(stage, 'value', stage)})"
-            if report.converted:
+            if report.converted or report.qk_added or report.attention_replaced:
                 rank_zero_info(f"{when}: {report}")
             elif self._layers:
                 count = f"{len(self._layers)} {self.options.target}"
@@ -173,7 +174,13 @@ class NormSwap(Callback):
         self._refuse_late_layers(module)
         own = module.state_dict()
         bad: dict[str, tuple[str, str]] = {}
-        for name, layer, _ in iter_norm_layers(module):
+        # every norm here, and every QK-norm the checkpoint has (this run may not have added it)
+        names = [name for name, _, _ in iter_norm_layers(module)]
+        names += sorted({k[len(prefix):].rsplit(".", 1)[0] for k in state_dict
+                         if k.startswith(prefix) and k[len(prefix):].rsplit(".", 1)[0].endswith(_QK_SUFFIXES)} - set(names))
+        modules = dict(module.named_modules())
+        for name in names:
+            layer = modules.get(name)
             here = _shapes(own, f"{name}.")
             theirs = _shapes(state_dict, f"{prefix}{name}.", strip=len(prefix))
             if not strict:  # a partial load skips missing and unexpected keys; shapes still must fit
@@ -181,7 +188,8 @@ class NormSwap(Callback):
                 here = {k: v for k, v in here.items() if k in common}
                 theirs = {k: v for k, v in theirs.items() if k in common}
             if here != theirs:
-                bad[name] = (_keys(theirs, name), f"{_keys(here, name)} ({type(layer).__name__})")
+                what = type(layer).__name__ if layer is not None else "no such module"
+                bad[name] = (_keys(theirs, name), f"{_keys(here, name)} ({what})")
         if not bad:
             return
         spec = _checkpoint_spec(trainer)

@@ -107,7 +107,7 @@ class _Entry:
     scale: Optional[float] = None  # a fixed logit scale where the module has no ``scale``
 
 
-_REGISTRY: dict[type, _Entry] = {}
+_ATTENTION_CLASSES: dict[type, _Entry] = {}
 _REPLACEMENTS: dict[type, type] = {}
 _LOADED = False
 
@@ -125,7 +125,7 @@ def register_attention(cls: type, *, layout: str = "BHND", head_factor: int = 1,
     """
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise TypeError(f"register_attention: cls must be an nn.Module subclass, got {cls!r}.")
-    _REGISTRY[cls] = _Entry(layout, head_factor, cosine)
+    _ATTENTION_CLASSES[cls] = _Entry(layout, head_factor, cosine)
 
 
 def _load_builtins() -> None:
@@ -137,7 +137,7 @@ def _load_builtins() -> None:
 
     _REPLACEMENTS.update(tv.REPLACEMENTS)
     for qk_cls in tv.REPLACEMENTS.values():
-        _REGISTRY.setdefault(qk_cls, _Entry(cosine=qk_cls is tv.QKShiftedWindowAttentionV2))
+        _ATTENTION_CLASSES.setdefault(qk_cls, _Entry(cosine=qk_cls is tv.QKShiftedWindowAttentionV2))
     timm_classes = {
         "timm.layers.attention": ("Attention", "AttentionRope"),
         "timm.layers.attention_pool": ("AttentionPoolLatent",),
@@ -160,14 +160,14 @@ def _load_builtins() -> None:
             cls = getattr(module, name, None)
             if isinstance(cls, type):
                 entry = _Entry("(BH)ND") if module_name.endswith("_sam") else special.get(name, _Entry())
-                _REGISTRY.setdefault(cls, entry)  # a user's register_attention wins
+                _ATTENTION_CLASSES.setdefault(cls, entry)  # a user's register_attention wins
 
 
 def _entry(module: nn.Module) -> tuple[Optional[_Entry], Optional[str]]:
     """The registry entry of ``module`` (MRO walk), or why it is opaque."""
     cls = type(module)
     for i, klass in enumerate(cls.__mro__):
-        entry = _REGISTRY.get(klass)
+        entry = _ATTENTION_CLASSES.get(klass)
         if entry is None:
             continue
         if any("forward" in vars(sub) for sub in cls.__mro__[:i]):

@@ -5,7 +5,8 @@ A checkpoint must say what a swap *built*, not how it was asked for: ``spatial="
 training (a second ``fit``) has nothing left to convert but is every bit as swapped.
 :func:`describe_layers` lists every norm layer of the target's kind (``mrs``; ``rms``;
 ``layer``) with what decides its computation: kind, layout, per-sample or per-position,
-eps. :func:`rebuild` applies such a list to a freshly built model of the same class, and
+eps; and every attention QK-norm (``<attention>.q_norm``/``.k_norm``), whatever its kind,
+marked ``"qk": True`` (a QK-norm may have been *added*: a fresh model has none there). :func:`rebuild` applies such a list to a freshly built model of the same class, and
 :func:`differences` says, layer by layer, how two lists differ.
 
 Example:
@@ -30,7 +31,12 @@ from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "rebuild", "rebuild_v1"]
 
-LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"}: JSON-friendly
+LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"[, "qk"]}: JSON-friendly
+_QK_SUFFIXES = (".q_norm", ".k_norm")  # where the swap puts (or finds) an attention QK-norm
+
+
+def _is_qk(name: str) -> bool:
+    return name.endswith(_QK_SUFFIXES)
 
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
@@ -41,15 +47,18 @@ def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
     return spec.kind in ("layer", "layer2d") or (spec.kind == "group" and getattr(module, "num_groups", 0) == 1)
 
 
-def describe_layers(model: nn.Module, target: str) -> dict[str, LayerRecord]:
-    """Every norm layer of ``model`` of ``target``'s kind: dotted name -> :data:`LayerRecord`.
+def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerRecord]:
+    """Every norm layer of ``model`` of ``target``'s kind, and every QK-norm: dotted name ->
+    :data:`LayerRecord`.
 
     The layers a swap to ``target`` built are of that kind, and so are the ones that already
-    were (a model swapped before, or built with MRSNorm): all of them are listed.
+    were (a model swapped before, or built with MRSNorm): all of them are listed. QK-norms are
+    listed whatever their kind, with ``"qk": True``.
 
     Args:
         model: any module.
-        target: ``"mrs"``, ``"rms"`` or ``"layer"``.
+        target: ``"mrs"``, ``"rms"``, ``"layer"``, or ``None`` (QK-norms only: a swap that
+            kept the body's norms).
 
     Returns:
         ``{name: {"kind", "channel_dim", "spatial", "eps"}}`` in module order; a shared
@@ -64,11 +73,16 @@ def describe_layers(model: nn.Module, target: str) -> dict[str, LayerRecord]:
         >>> describe_layers(nn.Sequential(nn.Linear(4, 6), MRSNorm(6, eps=1e-6)), "mrs")
         {'1': {'kind': 'mrs', 'channel_dim': -1, 'spatial': None, 'eps': 1e-06}}
     """
-    if target not in SWAP_TARGETS:
-        raise ValueError(f"describe_layers: target={target!r} is not valid; choose one of {list(SWAP_TARGETS)}.")
+    if target is not None and target not in SWAP_TARGETS:
+        raise ValueError(
+            f"describe_layers: target={target!r} is not valid; choose one of {list(SWAP_TARGETS)} or None."
+        )
     records: dict[str, LayerRecord] = {}
     for name, module, spec in iter_norm_layers(model):
-        if spec.unsupported is None and _of_target(module, spec, target):
+        if spec.unsupported is not None:
+            continue
+        qk = _is_qk(name)
+        if qk or (target is not None and _of_target(module, spec, target)):
             eps = getattr(module, "eps", None)
             records[name] = {
                 "kind": spec.kind,
@@ -76,6 +90,8 @@ def describe_layers(model: nn.Module, target: str) -> dict[str, LayerRecord]:
                 "spatial": spec.spatial,
                 "eps": float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None,
             }
+            if qk:
+                records[name]["qk"] = True
     return records
 
 
@@ -92,7 +108,8 @@ def format_record(record: Optional[LayerRecord]) -> str:
     if record.get("spatial") is not None:
         layout += ", per sample" if record["spatial"] else ", per position"
     eps = record.get("eps")
-    return f"{record.get('kind')}({layout}, eps={'default' if eps is None else format(eps, 'g')})"
+    label = f"{record.get('kind')}({layout}, eps={'default' if eps is None else format(eps, 'g')})"
+    return f"QK-norm {label}" if record.get("qk") else label
 
 
 def differences(
@@ -126,12 +143,14 @@ def _literal(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def rebuild(model: nn.Module, target: str, records: dict[str, LayerRecord]) -> None:
+def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRecord]) -> None:
     """Swap a freshly built ``model`` so that its ``target``-kind norms are ``records``.
 
     The new layers get fresh weights (``init="ones"``): load the trained ones afterwards. A
     record named ``x.norm`` may come from a fused norm+act layer ``x`` (timm's
-    ``BatchNormAct2d``), which the swap turns into ``NormAct(norm, drop, act)``.
+    ``BatchNormAct2d``), which the swap turns into ``NormAct(norm, drop, act)``. QK-norms are
+    added (or swapped) where the records have them, with ``swap_norms(model, None,
+    qk_norm=kind)`` limited to their names.
 
     Args:
         model: a freshly built model of the class that was swapped.
@@ -154,13 +173,21 @@ def rebuild(model: nn.Module, target: str, records: dict[str, LayerRecord]) -> N
     """
     modules = dict(model.named_modules())
     groups: dict[tuple[Any, Optional[float]], list[str]] = {}
+    qk_groups: dict[tuple[str, Optional[float]], list[str]] = {}
     for name, record in records.items():
+        if record.get("qk"):
+            qk_groups.setdefault((record["kind"], record["eps"]), []).append(_literal(name))
+            continue
         if name not in modules and name.endswith(".norm") and name[: -len(".norm")] in modules:
             name = name[: -len(".norm")]  # the fused norm+act layer this norm came from
         spatial = record["spatial"] if record["channel_dim"] == 1 else "auto"
         groups.setdefault((spatial, record["eps"]), []).append(_literal(name))
+    if groups and target is None:
+        raise ValueError("records of body norm layers need the target they were swapped to, got target=None")
     for (spatial, eps), names in groups.items():
         swap_norms(model, target, spatial=spatial, eps=eps, include=names, init="ones")
+    for (kind, eps), names in qk_groups.items():
+        swap_norms(model, None, qk_norm=kind, eps=eps, include=names, init="ones")
     got = describe_layers(model, target)
     if got != records:
         raise ValueError(

@@ -22,7 +22,8 @@ def _net() -> nn.Sequential:
     "kwargs,message",
     [
         (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer']"),
-        (dict(target=None), "target=None is not valid; choose one of ['mrs', 'rms', 'layer']"),
+        (dict(target=None, qk_norm=True), "qk_norm=True asks for QK-norms of the target's kind, but target=None"),
+        (dict(qk_norm="batch"), "qk_norm='batch' is not valid; choose one of [None, True, False, 'mrs', 'rms', 'layer']"),
         (dict(spatial="yes"), "spatial='yes' is not valid; choose one of ['auto', True, False]"),
         (dict(spatial=1), "spatial=1 is not valid; choose one of ['auto', True, False]"),
         (dict(init="zeros"), "init='zeros' is not valid; choose one of ['inherit', 'ones']"),
