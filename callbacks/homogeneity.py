@@ -40,7 +40,6 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer

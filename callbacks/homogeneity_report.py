@@ -35,9 +35,9 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer
+from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer, apply_flat
 from lightning_mrs.callbacks.tb_layout import metric_tag
-from lightning_mrs.stats import PhasorSums, aggregate_stats, apply_flat, layer_stats
+from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
 
 __all__ = ["LOGGED_STATS", "LOGGED_WEIGHT_STATS", "StepReport", "step_report"]
 

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -35,6 +36,7 @@ class LoggingSteps:
     def __init__(self) -> None:
         self.batches = 0  # manual optimization: training batches completed, over the whole run
         self._restored = False
+        self._trainer: Optional[weakref.ref] = None  # the trainer the count belongs to
 
     @staticmethod
     def manual(pl_module: pl.LightningModule) -> bool:
@@ -62,13 +64,16 @@ class LoggingSteps:
         """Set the count at the start of training; a warning to give when it had to be guessed.
 
         A fresh run starts at 0; a resumed one continues from the monitor's checkpointed
-        state. A manual-optimization run resumed from a checkpoint without that state (saved
-        before the monitor kept it, or without the monitor) cannot know how many batches ran:
-        the count is estimated as ``global_step // len(trainer.optimizers)`` (exact when every
-        optimizer steps once per batch) and a warning says so.
+        state, another ``fit`` of the same trainer from where the last one stopped. A
+        manual-optimization run resumed from a checkpoint without that state (saved before the
+        monitor kept it, or without the monitor) cannot know how many batches ran: the count
+        is estimated as ``global_step // len(trainer.optimizers)`` (exact when every optimizer
+        steps once per batch) and a warning says so.
         """
         restored, self._restored = self._restored, False
-        if not self.manual(pl_module) or restored:
+        same_trainer = self._trainer is not None and self._trainer() is trainer
+        self._trainer = weakref.ref(trainer)
+        if not self.manual(pl_module) or restored or same_trainer:
             return None
         if trainer.global_step == 0:
             self.batches = 0

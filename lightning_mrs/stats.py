@@ -17,8 +17,6 @@ or ``(..., C)``), the capture step reduces every call to named per-phasor sums
 Sums add (``a + b``) across calls, micro-batches and ranks. :func:`layer_stats` turns them
 into a dict of named figures, :func:`aggregate_stats` pools such dicts over layers; every
 figure is finite (zeros and empty layers give documented neutral values, never NaN).
-:func:`apply_flat` runs one operation (a collective, a device-to-host copy) on many named
-tensors at once and hands them back by name.
 
 Example:
     >>> x = torch.randn(4, 6, 5, 5, requires_grad=True)
@@ -36,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Hashable, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -49,7 +47,6 @@ __all__ = [
     "WEIGHT_STAT_NAMES",
     "PhasorSums",
     "aggregate_stats",
-    "apply_flat",
     "layer_stats",
     "phasor_grad_rms",
     "phasor_sums",
@@ -92,7 +89,6 @@ RATIO_CAP = 1e12
 _FP32_MAX = torch.finfo(torch.float32).max
 
 Number = Union[float, int, Tensor]
-K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -155,35 +151,6 @@ class PhasorSums:
         if not isinstance(other, PhasorSums):
             return NotImplemented
         return PhasorSums(**{k: v + getattr(other, k) for k, v in self.as_dict().items()})
-
-
-def apply_flat(named: Mapping[K, Tensor], fn: Callable[[Tensor], Tensor], dtype: Optional[torch.dtype] = None) -> dict[K, Tensor]:
-    """Run ``fn`` once on every tensor of ``named``, concatenated, and hand them back by name.
-
-    One collective (``fn = strategy.reduce``) or one device-to-host copy (``fn = Tensor.cpu``)
-    serves any number of named tensors; only this function knows where each one lies in the
-    flat vector.
-
-    Args:
-        named: name -> tensor, any shapes, all on one device.
-        fn: an element-wise-preserving map of a flat vector (same length out).
-        dtype: the dtype of the flat vector (default: the first tensor's).
-
-    Returns:
-        name -> ``fn``'s output for that tensor, in its original shape.
-
-    Example:
-        >>> out = apply_flat({"a": torch.ones(2), "b": torch.tensor(3.0)}, lambda t: t * 2)
-        >>> out["a"].tolist(), out["b"].item()
-        ([2.0, 2.0], 6.0)
-    """
-    values = list(named.values())
-    if not values:
-        return {}
-    dtype = dtype or values[0].dtype
-    flat = fn(torch.cat([v.reshape(-1).to(dtype) for v in values]))  # (sum of numels,)
-    parts = flat.split([v.numel() for v in values])
-    return {key: part.reshape(v.shape) for (key, v), part in zip(named.items(), parts)}
 
 
 def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> PhasorSums:

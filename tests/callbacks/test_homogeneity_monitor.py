@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
-from helpers.lightning import ManualModule, TinyModule, conv_net, fit, image_data, per_sample_net
+from helpers.lightning import ManualModule, TinyModule, fit, image_data, per_sample_net
 from helpers.recording_logger import RecordingLogger
 from lightning_mrs import MRSNorm2d
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
@@ -131,68 +131,6 @@ def test_fp32_figures_match_autograd_reference(module_cls: type) -> None:
     assert value(rec, "all", "grad_mean") == pytest.approx(np.mean([f["grad_mean"] for f in ref.values()]), rel=1e-4)
     assert value(rec, "all", "overflow_skipped") == 0.0
     assert value(rec, "all", "layers") == 3.0
-
-
-@pytest.mark.parametrize("interval,batches", [(1, 5), (2, 6), (4, 9), (50, 100)])
-def test_manual_optimization_two_optimizers_logs_at_lightnings_steps(interval: int, batches: int) -> None:
-    """Each batch steps two optimizers (global_step += 2), yet Lightning logs once per batch."""
-    rec = record(conv_net, module_cls=ManualModule, steps=2 * batches, log_every_n_steps=interval,
-                 data=image_data(24, (4, 4)), batch_size=4)
-    expected = list(range(interval - 1, batches, interval))  # (n + 1) % interval == 0
-    assert sorted(rec.history["train/loss"]) == expected
-    steps = phasor_steps(rec)
-    assert {"phasor/net.1/grad_cv", "phasor/net.5/grad_cv", "phasor/all/grad_cv"} <= steps.keys()
-    assert all(s == expected for s in steps.values()), steps
-
-
-@pytest.mark.parametrize("interval", [1, 3])
-def test_gradient_accumulation_logs_at_lightnings_steps(interval: int) -> None:
-    # 5 batches per epoch, pairs accumulated: Lightning also steps on each epoch's last, odd batch
-    rec = record(conv_net, steps=6, accumulate_grad_batches=2, log_every_n_steps=interval, data=image_data(40))
-    expected = list(range(interval - 1, 6, interval))
-    assert sorted(rec.history["train/loss"]) == expected
-    steps = phasor_steps(rec)
-    assert "phasor/all/grad_cv" in steps and all(s == expected for s in steps.values()), steps
-
-
-@pytest.mark.parametrize("with_state", [True, False])
-def test_manual_optimization_resume_stays_aligned(tmp_path, with_state: bool) -> None:
-    kw = dict(log_every_n_steps=2, data=image_data(12, (4, 4)), batch_size=4)  # 3 batches per epoch
-    trainer, _ = fit(ManualModule(conv_net), steps=2 * 3, callbacks=[GradientHomogeneityMonitor()], **kw)
-    ckpt = tmp_path / "first.ckpt"
-    trainer.save_checkpoint(ckpt)
-    if not with_state:  # a checkpoint written without the monitor
-        state = torch.load(ckpt, weights_only=False)
-        state["callbacks"] = {k: v for k, v in state["callbacks"].items() if "GradientHomogeneityMonitor" not in k}
-        torch.save(state, ckpt)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rec = record(conv_net, module_cls=ManualModule, steps=2 * 7, ckpt_path=str(ckpt), **kw)
-    guessed = [w for w in caught if "without the monitor's batch count" in str(w.message)]
-    assert len(guessed) == (0 if with_state else 1)
-    assert sorted(rec.history["train/loss"]) == [3, 5]  # batches 3..6 of the run
-    steps = phasor_steps(rec)
-    assert "phasor/all/grad_cv" in steps and all(s == [3, 5] for s in steps.values()), steps
-
-
-@pytest.mark.parametrize("module_cls,interval,batches,warns", [
-    (TinyModule, 100, 4, "has at most 4 logging steps"),  # known before the run
-    (TinyModule, 4, 4, None),
-    (ManualModule, 5, 4, "ended after step 3"),  # max_steps=8 counts both optimizers: found at the end
-    (ManualModule, 4, 4, None),
-])
-def test_interval_longer_than_the_run_warns_once(module_cls: type, interval: int, batches: int, warns: Optional[str]) -> None:
-    steps = batches * (2 if module_cls is ManualModule else 1)
-    monitor = GradientHomogeneityMonitor(log_every_n_steps=interval)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        rec = record(conv_net, module_cls=module_cls, monitor=monitor, steps=steps)
-    ours = [str(w.message) for w in caught if "no phasor/* figure is logged" in str(w.message)]
-    if warns is None:
-        assert not ours and phasor_steps(rec)["phasor/all/grad_cv"] == [3]
-    else:
-        assert len(ours) == 1 and warns in ours[0] and f"log_every_n_steps={interval}" in ours[0]
-        assert not phasor_steps(rec)
 
 
 def test_all_nonfinite_layer_logs_only_its_count() -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 __all__ = ["ManualModule", "TinyModule", "conv_net", "fit", "image_data", "per_sample_net"]
 
@@ -125,11 +125,14 @@ def fit(
     logger: Any = False,
     data: Optional[TensorDataset] = None,
     batch_size: int = 8,
+    sampler: Optional[Sampler] = None,
     ckpt_path: Optional[str] = None,
     **trainer_kw: Any,
 ) -> tuple[pl.Trainer, pl.LightningModule]:
     """Fit ``module`` (a LightningModule, or a backbone factory wrapped in :class:`TinyModule`)
-    for ``steps`` optimizer steps on the CPU, quietly; returns ``(trainer, module)``."""
+    for ``steps`` optimizer steps on the CPU, quietly; returns ``(trainer, module)``.
+
+    The loader takes ``data`` (default :func:`image_data`) in order, or as ``sampler`` says."""
     if module is None or not isinstance(module, pl.LightningModule):
         module = TinyModule(module or conv_net)
     trainer_kw.setdefault("accelerator", "cpu")
@@ -139,6 +142,6 @@ def fit(
         max_steps=steps, logger=logger, callbacks=list(callbacks), enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **trainer_kw,
     )
-    loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size)
+    loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, module
