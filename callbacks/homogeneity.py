@@ -2,48 +2,51 @@
 
 On logging steps only, the monitor captures the gradient of the loss with respect to the
 *input* of every norm layer (MRSNorm and the torch/timm/torchvision norms known to
-:mod:`lightning_mrs.norm_registry`), pairs adjacent channels into phasors exactly as MRSNorm
+:mod:`lightning_mrs.swap.registry`), pairs adjacent channels into phasors exactly as MRSNorm
 does, and logs how evenly the gradient is spread over the phasors
 (:mod:`lightning_mrs.stats` defines every figure). Between logging steps no hook is
-registered and nothing runs.
+registered and nothing runs but a step-number check.
+
+Logging steps are Lightning's own (:mod:`lightning_mrs.callbacks.homogeneity_steps`): the
+figures of a batch appear at the step its ``self.log`` metrics do, under automatic
+optimization (with or without gradient accumulation) and manual optimization (any number of
+optimizers) alike.
 
 How a logging step works:
 
-1. ``on_train_batch_start``: a forward pre-hook on each norm layer hands the layer an alias
-   of its input (``x.view_as(x)``) and registers a tensor hook on it, so the hook sees the
-   gradient flowing *through this layer* (not the residual branch that shares ``x``). No
-   full backward hooks: those break on in-place activations. A trainable norm whose input
-   needs no gradient (the raw input) gets a detached copy that does.
-2. During backward each tensor hook reduces ``(x, dL/dx)`` to per-phasor sums, added into one
-   flat float64 buffer on the device (micro-batches of gradient accumulation add up).
+1. ``on_train_batch_start`` opens a :class:`~lightning_mrs.callbacks.homogeneity_capture.Capture`:
+   a forward pre-hook on each norm layer hands the layer an alias of its input and registers
+   a tensor hook on it, so the hook sees the gradient flowing *through this layer* (not the
+   residual branch that shares ``x``).
+2. During backward each tensor hook reduces ``(x, dL/dx)`` to per-phasor sums, added under the
+   layer's name (micro-batches of gradient accumulation and several backward passes add up).
 3. ``on_before_optimizer_step``: the GradScaler's scale in force is read (Lightning unscales
-   parameter gradients before this hook, activation gradients stay scaled) and the MRS
-   weight gradients are reduced.
-4. ``on_train_batch_end``: hooks are removed; under DDP one ``all_reduce`` of the buffer runs
-   on every rank (same shape everywhere); the scale dropping across ``optimizer.step`` marks
-   a step the scaler skipped; figures are computed on the device, copied to the host once,
-   and logged from rank zero through every logger in ``trainer.loggers``. TensorBoard also
-   gets ``G_i`` histograms and, once, the "Phasor homogeneity" custom-scalars layout.
+   parameter gradients before this hook, activation gradients stay scaled) and the weight
+   gradients of the MRS layers this optimizer owns are reduced.
+4. ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
+   optimization, every batch under manual): the capture is closed (its hooks removed); one
+   ``trainer.strategy.reduce(..., "sum")`` sums the sums over ranks (the step's only
+   collective, the same on every rank); the scale dropping across ``optimizer.step`` marks a
+   step the scaler skipped; figures are computed on the device, copied to the host once, and
+   logged from rank zero through every logger in ``trainer.loggers``. TensorBoard also gets
+   ``G_i`` histograms and, once, the "Phasor homogeneity" custom-scalars layout.
 """
 
 from __future__ import annotations
 
 import re
-from functools import partial
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_mrs.callbacks.homogeneity_report import MonitoredLayer, step_report
+from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
+from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
+from lightning_mrs.callbacks.homogeneity_steps import LoggingSteps
 from lightning_mrs.callbacks.tb_layout import metric_tag, tensorboard_experiment, write_layout
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
-from lightning_mrs.stats import phasor_sums, slot_size, weight_grad_stats
 
 __all__ = ["GradientHomogeneityMonitor"]
 
@@ -71,15 +74,18 @@ class GradientHomogeneityMonitor(Callback):
     ``wgrad_mean`` and ``wgrad_cv``. Aggregates as ``phasor/all/<stat>``
     (:data:`lightning_mrs.stats.ALL_STAT_NAMES`), plus ``phasor/all/overflow_skipped`` (1 when
     a GradScaler skipped the step; the other figures of that step are then not logged) and,
-    under fp16, ``phasor/all/loss_scale``.
+    under fp16, ``phasor/all/loss_scale``. A layer none of whose input-gradient entries is finite
+    on a step logs only its ``nonfinite`` count there and is left out of ``phasor/all``.
 
     Figures are absolute: activation gradients are divided by the GradScaler's scale and, under
     DDP, by the world size (DDP averages parameter gradients over ranks, so each rank's
     activation gradients are ``world_size`` times those of the global-batch loss).
 
     Args:
-        log_every_n_steps: capture every n-th optimizer step (the same steps Lightning logs
-            at); ``None`` uses the Trainer's ``log_every_n_steps``.
+        log_every_n_steps: capture on the batches Lightning logs at with this interval (the
+            n-th, 2n-th... optimizer step, or batch under manual optimization); ``None`` uses
+            the Trainer's ``log_every_n_steps``, and then the figures line up with ``self.log``'s.
+            A warning says when the run is too short for a single logging step.
         starved_threshold: a phasor is starved when its ``G_i`` is below this fraction of the
             layer's median ``G_i``; in ``(0, 1)``.
         histogram_every_n_logs: write ``G_i`` histograms to TensorBoard on every n-th logging
@@ -93,7 +99,7 @@ class GradientHomogeneityMonitor(Callback):
 
     Example:
         >>> import lightning.pytorch as pl
-        >>> from callbacks import GradientHomogeneityMonitor
+        >>> from lightning_mrs.callbacks import GradientHomogeneityMonitor
         >>> trainer = pl.Trainer(callbacks=[GradientHomogeneityMonitor()])  # doctest: +SKIP
     """
 
@@ -150,14 +156,10 @@ class GradientHomogeneityMonitor(Callback):
         self._n_logs = 0
         self._overflow_skipped_total = 0
         self._nonfinite_total = 0
-        # per-capture state
-        self._layers: list[MonitoredLayer] = []
-        self._handles: list[RemovableHandle] = []
-        self._buffer: Optional[Tensor] = None
-        self._capture_step: Optional[int] = None
-        self._stepped = False
-        self._scale: Optional[float] = None
-        self._weight_rows: dict[str, tuple[Tensor, Tensor]] = {}
+        self._steps = LoggingSteps()
+        # per-fit / per-capture state
+        self._capture: Optional[Capture] = None
+        self._start_step = 0
         self._layout_written = False
         self._warned: set[str] = set()
 
@@ -182,7 +184,7 @@ class GradientHomogeneityMonitor(Callback):
         return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _discover(self, pl_module: pl.LightningModule) -> list[MonitoredLayer]:
-        layers, skipped, offset = [], [], 0
+        layers, skipped = [], []
         for name, module, spec in iter_norm_layers(pl_module):
             if self._include is not None and not self._include.search(name):
                 continue
@@ -190,8 +192,7 @@ class GradientHomogeneityMonitor(Callback):
             if reason is not None:
                 skipped.append(f"{name or 'root'} ({type(module).__name__}: {reason})")
                 continue
-            layers.append(MonitoredLayer(name, module, spec, offset))
-            offset += slot_size(spec.num_channels // 2)
+            layers.append(MonitoredLayer(name, module, spec))
         if skipped:
             self._warn_once(
                 "skipped:" + ",".join(skipped),
@@ -205,151 +206,117 @@ class GradientHomogeneityMonitor(Callback):
             )
         return layers
 
-    # ------------------------------------------------------------------ capture
-    def _begin(self, pl_module: pl.LightningModule, step: int) -> None:
-        self._layers = self._discover(pl_module)
-        if not self._layers:
+    def _drop_capture(self) -> None:
+        if self._capture is not None:
+            self._capture.close()
+            self._capture = None
+
+    def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
+        """Warn (once) when no logging step lies in ``[start, end)``."""
+        interval = self._interval(trainer)
+        if interval <= 0 or not trainer.loggers or end <= self._start_step:
             return
-        total = sum(layer.size for layer in self._layers)
-        device = pl_module.device
-        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        self._buffer = torch.zeros(total, dtype=dtype, device=device)  # (sum_l 3 P_l + 2,)
-        self._handles = [layer.module.register_forward_pre_hook(partial(self._pre_hook, layer)) for layer in self._layers]
-        self._capture_step = step
-        self._stepped = False
-        self._scale = None
-        self._weight_rows = {}
-
-    def _pre_hook(self, layer: MonitoredLayer, module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
-        if not args or not torch.is_grad_enabled():
-            return None
-        x = args[0]
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            return None
-        # a trainable norm on a tensor nothing else differentiates (e.g. the raw input) still
-        # has an input gradient: ask autograd for it; a frozen one is not worth a backward
-        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
-        if not x.requires_grad and not trainable:
-            return None
-        cd = layer.spec.channel_dim
-        if x.ndim == 0 or not -x.ndim <= cd < x.ndim or x.shape[cd] != layer.spec.num_channels:
-            self._warn_once(
-                f"shape:{layer.name}",
-                f"GradientHomogeneityMonitor: layer {layer.name!r} ({type(module).__name__}) got an input of shape "
-                f"{tuple(x.shape)} without {layer.spec.num_channels} channels on dim {cd}; it is not monitored. "
-                "Register its layout with lightning_mrs.register_norm(...) if the registry guessed wrong.",
-            )
-            return None
-        # a node of its own: its gradient is the one through this layer only
-        alias = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
-        alias.register_hook(partial(self._grad_hook, layer, x.detach()))
-        return (alias, *args[1:])
-
-    def _grad_hook(self, layer: MonitoredLayer, x: Tensor, grad: Tensor) -> None:
-        if self._buffer is None:  # capture torn down before backward reached this layer
+        first = LoggingSteps.first_logging_step(self._start_step, interval)
+        if first < end:
             return
-        try:
-            sums = phasor_sums(x, grad, layer.spec.channel_dim)  # (3 P + 2,)
-            self._buffer[layer.offset : layer.offset + layer.size] += sums.to(self._buffer.device, self._buffer.dtype)
-        except Exception as err:  # noqa: BLE001 - a statistic must never break training
-            self._warn_once(f"hook:{layer.name}", f"GradientHomogeneityMonitor: layer {layer.name!r}: {err}")
-
-    def _teardown(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._buffer = None
-        self._capture_step = None
-        self._stepped = False
-        self._weight_rows = {}
+        length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} logging steps"
+        self._warn_once(
+            "interval",
+            f"GradientHomogeneityMonitor: log_every_n_steps={interval} but the run {length} (first logging step: "
+            f"{first}), so no phasor/* figure is logged. Lower GradientHomogeneityMonitor(log_every_n_steps=...) "
+            "or Trainer(log_every_n_steps=...).",
+        )
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        guessed = self._steps.start(trainer, pl_module)
+        if guessed is not None:
+            self._warn_once("resume", guessed)
+        self._start_step = self._steps.current(trainer, pl_module)
+        self._warn_interval(trainer, LoggingSteps.run_length(trainer), ended=False)
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if self._capture_step is not None and self._capture_step != step:
-            self._teardown()  # a capture whose optimizer step never came: discard
-        interval = self._interval(trainer)
-        if interval <= 0 or (step + 1) % interval or self._capture_step is not None:
+        step = self._steps.current(trainer, pl_module)
+        capture = self._capture
+        if capture is not None and (LoggingSteps.manual(pl_module) or capture.step != step):
+            self._drop_capture()  # a capture whose logging batch never ended: discard
+        if self._capture is not None or not (
+            LoggingSteps.is_logging_step(step, self._interval(trainer)) or trainer.should_stop
+        ):
             return
-        self._begin(pl_module, step)
+        layers = self._discover(pl_module)
+        if layers:
+            self._capture = Capture(layers, step, pl_module.device, self._warn_once)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._capture_step is None or self._stepped:
+        capture = self._capture
+        if capture is None:
             return
-        self._stepped = True
-        scaler = self._scaler(trainer)
-        # the scale the backward ran with: GradScaler.update() only changes it after the step
-        self._scale = float(scaler.get_scale()) if scaler is not None else None
-        if not self.weight_grads:
-            return
-        for layer in self._layers:
-            weight = getattr(layer.module, "weight", None)
-            if layer.spec.kind == "mrs" and isinstance(weight, Tensor) and weight.grad is not None:
-                # parameter gradients are already unscaled (Lightning unscales before this hook)
-                self._weight_rows[layer.name] = weight_grad_stats(weight.grad)
+        if not capture.stepped:
+            capture.stepped = True
+            scaler = self._scaler(trainer)
+            # the scale the backward ran with: GradScaler.update() only changes it after the step
+            capture.scale = float(scaler.get_scale()) if scaler is not None else None
+        if self.weight_grads:
+            capture.record_weights(optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._capture_step is None or not self._stepped:
-            return
+        capture = self._capture
         try:
-            self._finish(trainer)
+            # automatic optimization logs the batch that steps; manual logs every batch
+            if capture is not None and (capture.stepped or LoggingSteps.manual(pl_module)):
+                self._capture = None
+                capture.close()  # no hook may fire during the collective / logging
+                self._finish(trainer, capture)
         finally:
-            self._teardown()
+            self._steps.batch_done(pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._teardown()
+        self._drop_capture()
+        self._warn_interval(trainer, self._steps.current(trainer, pl_module), ended=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._teardown()
+        self._drop_capture()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._teardown()
+        self._drop_capture()
 
     # ------------------------------------------------------------------ reduce + log
-    def _finish(self, trainer: pl.Trainer) -> None:
-        for handle in self._handles:  # no hook may fire during the collective / logging
-            handle.remove()
-        self._handles = []
-        buffer, step, layers = self._buffer, self._capture_step, self._layers
-        assert buffer is not None and step is not None
-        world = max(int(trainer.world_size), 1)
-        if world > 1:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(buffer)  # the one collective of a logging step
-            else:
-                buffer = trainer.strategy.reduce(buffer, reduce_op="sum")
+    def _finish(self, trainer: pl.Trainer, capture: Capture) -> None:
+        sums = capture.reduced(lambda flat: trainer.strategy.reduce(flat, reduce_op="sum"))  # the one collective
         scaler = self._scaler(trainer)
-        skipped = False
-        if scaler is not None and self._scale is not None:
-            # GradScaler.update() only lowers the scale when it found Inf/NaN and skipped the step
-            skipped = float(scaler.get_scale()) < self._scale
+        if scaler is not None and capture.scale is None:  # manual optimization without a step
+            capture.scale = float(scaler.get_scale())
+        # GradScaler.update() only lowers the scale when it found Inf/NaN and skipped the step
+        skipped = scaler is not None and capture.stepped and float(scaler.get_scale()) < capture.scale
         report = step_report(
-            layers,
-            buffer,
-            divisor=(self._scale or 1.0) * world,
+            capture.layers,
+            sums,
+            divisor=(capture.scale or 1.0) * max(int(trainer.world_size), 1),
             starved_threshold=self.starved_threshold,
-            weight_rows=self._weight_rows,
+            weights=capture.weights,
             skipped=skipped,
-            scale=self._scale,
+            scale=capture.scale,
         )
         self._nonfinite_total += report.nonfinite
         self._overflow_skipped_total += int(skipped)
         if trainer.is_global_zero:
-            self._log(trainer, report.metrics, step, layers, report.g_rms, skipped)
+            self._log(trainer, report, capture, skipped)
         self._n_logs += 1
 
         if report.nonfinite and not skipped and self.on_nonfinite != "ignore":
             bad = [f"{name or 'root'}: {n}" for name, n in report.nonfinite_by_layer.items()]
             message = (
-                f"GradientHomogeneityMonitor: {report.nonfinite} NaN/Inf gradient entries at step {step} in "
+                f"GradientHomogeneityMonitor: {report.nonfinite} NaN/Inf gradient entries at step {capture.step} in "
                 f"{len(bad)} norm layer(s) ({', '.join(bad[:8])}{', ...' if len(bad) > 8 else ''}). They are "
                 "excluded from the statistics; lower the learning rate, clip gradients, or use "
                 "on_nonfinite='ignore' to silence this."
@@ -358,31 +325,24 @@ class GradientHomogeneityMonitor(Callback):
                 raise RuntimeError(message)
             rank_zero_warn(message, category=RuntimeWarning)
 
-    def _log(
-        self,
-        trainer: pl.Trainer,
-        metrics: dict[str, float],
-        step: int,
-        layers: list[MonitoredLayer],
-        g_rms: list[Tensor],
-        skipped: bool,
-    ) -> None:
+    def _log(self, trainer: pl.Trainer, report: StepReport, capture: Capture, skipped: bool) -> None:
         want_hist = (
             self.histogram_every_n_logs > 0 and self._n_logs % self.histogram_every_n_logs == 0 and not skipped
         )
+        step = capture.step
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            logger.log_metrics(report.metrics, step=step)
             experiment = tensorboard_experiment(logger)
             if experiment is None:
                 continue
             if self.dashboard and not self._layout_written:
-                write_layout(experiment, [layer.name for layer in layers])
+                write_layout(experiment, [layer.name for layer in capture.layers])
             if want_hist and hasattr(experiment, "add_histogram"):
-                for layer, g in zip(layers, g_rms):
+                for name, g in report.g_rms.items():
                     values = g.detach().float().cpu()
-                    values = values[torch.isfinite(values)]  # never feed TensorBoard a NaN
+                    values = values[values.isfinite()]  # never feed TensorBoard a NaN
                     if values.numel():
-                        experiment.add_histogram(metric_tag(layer.name, "G"), values, step)
+                        experiment.add_histogram(metric_tag(name, "G"), values, step)
         if any(tensorboard_experiment(logger) is not None for logger in trainer.loggers):
             self._layout_written = True
 
@@ -393,6 +353,7 @@ class GradientHomogeneityMonitor(Callback):
             "n_logs": self._n_logs,
             "overflow_skipped_total": self._overflow_skipped_total,
             "nonfinite_total": self._nonfinite_total,
+            **self._steps.state_dict(),
         }
 
     @override
@@ -400,6 +361,7 @@ class GradientHomogeneityMonitor(Callback):
         self._n_logs = int(state_dict.get("n_logs", 0))
         self._overflow_skipped_total = int(state_dict.get("overflow_skipped_total", 0))
         self._nonfinite_total = int(state_dict.get("nonfinite_total", 0))
+        self._steps.load_state_dict(state_dict)
 
     @property
     def overflow_skipped_total(self) -> int:
@@ -410,4 +372,3 @@ class GradientHomogeneityMonitor(Callback):
     def nonfinite_total(self) -> int:
         """NaN/Inf gradient entries counted so far, over all logging steps."""
         return self._nonfinite_total
-

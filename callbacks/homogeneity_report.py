@@ -1,16 +1,28 @@
 """From a logging step's reduced per-phasor sums to the metrics dict the monitor logs.
 
 Kept apart from the callback: this is the part that turns device tensors into named figures,
-with the step's single device-to-host copy.
+with the step's single device-to-host copy (every figure travels under its name).
+
+What is logged for a layer on a step:
+
+* no gradient reached it (``count == 0``): nothing;
+* the GradScaler skipped the step, or every entry of its input gradient was NaN/Inf
+  (``finite == 0``): only ``nonfinite``: figures computed from no finite entry would read
+  as "perfectly homogeneous";
+* otherwise every figure of :data:`LOGGED_STATS`; MRS layers also ``wgrad_mean`` and
+  ``wgrad_cv`` when their weight gradient has a finite entry.
+
+``phasor/all`` pools the layers with a finite gradient (:func:`lightning_mrs.stats.aggregate_stats`);
+``phasor/all/nonfinite`` counts over every layer.
 
 Example:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_mrs.swap.registry import norm_spec
     >>> from lightning_mrs.stats import phasor_sums
-    >>> layer = MonitoredLayer("ln", nn.LayerNorm(4), norm_spec(nn.LayerNorm(4)), offset=0)
-    >>> buffer = phasor_sums(torch.randn(3, 4), torch.randn(3, 4), -1).double()
-    >>> report = step_report([layer], buffer, divisor=1.0, starved_threshold=0.1, weight_rows={})
+    >>> layer = MonitoredLayer("ln", nn.LayerNorm(4), norm_spec(nn.LayerNorm(4)))
+    >>> sums = {"ln": phasor_sums(torch.randn(3, 4), torch.randn(3, 4), -1).to(torch.float64)}
+    >>> report = step_report([layer], sums, divisor=1.0, starved_threshold=0.1, weights={})
     >>> sorted(report.metrics)[:2]
     ['phasor/all/act_outlier_ratio', 'phasor/all/grad_cv']
 """
@@ -18,36 +30,24 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer, apply_flat
 from lightning_mrs.callbacks.tb_layout import metric_tag
-from lightning_mrs.swap.registry import NormSpec
-from lightning_mrs.stats import ALL_STAT_NAMES, STAT_NAMES, WEIGHT_STAT_NAMES, aggregate_stats, layer_stats, slot_size
+from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
 
-__all__ = ["MonitoredLayer", "StepReport", "step_report"]
+__all__ = ["LOGGED_STATS", "LOGGED_WEIGHT_STATS", "StepReport", "step_report"]
 
-_LOGGED_STATS = tuple(s for s in STAT_NAMES if s != "count")
-
-
-@dataclass
-class MonitoredLayer:
-    """A norm layer under watch and its slot ``[offset, offset + size)`` in the flat buffer."""
-
-    name: str
-    module: nn.Module
-    spec: NormSpec
-    offset: int
-
-    @property
-    def num_phasors(self) -> int:
-        return self.spec.num_channels // 2
-
-    @property
-    def size(self) -> int:
-        return slot_size(self.num_phasors)
+#: Per-layer figures logged on a step with a finite gradient (``count``, ``finite`` are not).
+LOGGED_STATS: tuple[str, ...] = (
+    "grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac",
+    "radial_frac", "act_outlier_ratio", "nonfinite",
+)
+#: Weight-gradient figures logged for MRS layers.
+LOGGED_WEIGHT_STATS: tuple[str, ...] = ("wgrad_mean", "wgrad_cv")
 
 
 @dataclass
@@ -55,80 +55,75 @@ class StepReport:
     """What one logging step produced."""
 
     metrics: dict[str, float]  # tag -> value, every value finite
-    nonfinite: int  # NaN/Inf entries over all layers
+    nonfinite: int  # NaN/Inf entries over all layers (input and weight gradients)
     nonfinite_by_layer: dict[str, int] = field(default_factory=dict)  # only layers with some
-    g_rms: list[Tensor] = field(default_factory=list)  # (P,) G_i per layer, on the device
+    g_rms: dict[str, Tensor] = field(default_factory=dict)  # (P,) G_i of the layers with a finite gradient
 
 
 def step_report(
     layers: Sequence[MonitoredLayer],
-    buffer: Tensor,
+    sums: Mapping[str, PhasorSums],
     *,
     divisor: float,
     starved_threshold: float,
-    weight_rows: dict[str, tuple[Tensor, Tensor]],
+    weights: Mapping[str, Mapping[str, Tensor]],
     skipped: bool = False,
     scale: Optional[float] = None,
 ) -> StepReport:
-    """Compute every figure of a logging step on the buffer's device, copy to the host once.
+    """Compute every figure of a logging step on the sums' device, copy to the host once.
 
     Args:
-        layers: the monitored layers (their slots index ``buffer``).
-        buffer: the flat per-phasor sums, already reduced over ranks.
+        layers: the monitored layers.
+        sums: layer name -> its sums, already reduced over ranks.
         divisor: true-gradient divisor (GradScaler scale x world size).
         starved_threshold: see :func:`lightning_mrs.stats.layer_stats`.
-        weight_rows: MRS layer name -> :func:`lightning_mrs.stats.weight_grad_stats` output.
+        weights: MRS layer name -> :func:`lightning_mrs.stats.weight_grad_stats` output.
         skipped: the GradScaler skipped this step: only ``nonfinite`` figures are kept.
         scale: the GradScaler scale in force, logged as ``phasor/all/loss_scale``.
     """
-    rows, g_rms = [], []
+    rows, g_rms = {}, {}
     for layer in layers:
-        stats, g = layer_stats(
-            buffer[layer.offset : layer.offset + layer.size],
-            layer.num_phasors,
-            grad_divisor=divisor,
-            starved_threshold=starved_threshold,
+        rows[layer.name], g_rms[layer.name] = layer_stats(
+            sums[layer.name], grad_divisor=divisor, starved_threshold=starved_threshold
         )
-        rows.append(stats)
-        g_rms.append(g)
-    table = torch.stack(rows)  # (L, len(STAT_NAMES))
-    agg = aggregate_stats(table, torch.tensor([layer.num_phasors for layer in layers]))  # (len(ALL),)
-    weights = [weight_rows.get(layer.name) for layer in layers]
-    w_stats = torch.stack([w[0].to(agg) if w is not None else agg.new_zeros(2) for w in weights])  # (L, 2)
-    w_nonfinite = torch.stack([w[1].to(agg) if w is not None else agg.new_zeros(()) for w in weights])  # (L,)
-    host = torch.cat([table.flatten(), agg, w_stats.flatten(), w_nonfinite]).cpu().tolist()  # the one copy
-
-    n_l, n_s, n_a = len(layers), len(STAT_NAMES), len(ALL_STAT_NAMES)
-    per_layer = [dict(zip(STAT_NAMES, host[i * n_s : (i + 1) * n_s])) for i in range(n_l)]
-    all_stats = dict(zip(ALL_STAT_NAMES, host[n_l * n_s : n_l * n_s + n_a]))
-    pos = n_l * n_s + n_a
-    w_host = [host[pos + 2 * i : pos + 2 * i + 2] for i in range(n_l)]
-    w_nf = host[pos + 2 * n_l :]
-    for stats, extra in zip(per_layer, w_nf):
-        stats["nonfinite"] += extra
-    all_stats["nonfinite"] += sum(w_nf)
+    agg = aggregate_stats([rows[layer.name] for layer in layers], [layer.num_phasors for layer in layers])
+    on_device: dict[tuple[str, ...], Tensor] = {("all", stat): v for stat, v in agg.items()}
+    on_device.update({("layer", name, stat): v for name, row in rows.items() for stat, v in row.items()})
+    on_device.update({("weight", name, stat): v for name, row in weights.items() for stat, v in row.items()})
+    host = {key: v.item() for key, v in apply_flat(on_device, torch.Tensor.cpu, torch.float64).items()}  # one copy
 
     metrics: dict[str, float] = {}
-    for layer, stats, w, w_vals in zip(layers, per_layer, weights, w_host):
-        if stats["count"] <= 0:
+    nonfinite_by_layer: dict[str, int] = {}
+    reached = False
+    for layer in layers:
+        stat = {s: host["layer", layer.name, s] for s in rows[layer.name]}
+        w = {s: host["weight", layer.name, s] for s in weights.get(layer.name, {})}
+        nonfinite = stat["nonfinite"] + w.get("wgrad_nonfinite", 0.0)
+        if nonfinite:
+            nonfinite_by_layer[layer.name] = int(nonfinite)
+        if stat["count"] <= 0:
             continue  # no gradient reached this layer on this step
+        reached = True
+        metrics[metric_tag(layer.name, "nonfinite")] = nonfinite
         if skipped:
-            metrics[metric_tag(layer.name, "nonfinite")] = stats["nonfinite"]
             continue
-        metrics.update({metric_tag(layer.name, s): stats[s] for s in _LOGGED_STATS})
-        if w is not None:
-            metrics.update({metric_tag(layer.name, s): v for s, v in zip(WEIGHT_STAT_NAMES, w_vals)})
-    if all_stats["layers"] > 0:
-        if skipped:
-            metrics[metric_tag("all", "nonfinite")] = all_stats["nonfinite"]
-        else:
-            metrics.update({metric_tag("all", s): v for s, v in all_stats.items()})
+        if stat["finite"] > 0:
+            metrics.update({metric_tag(layer.name, s): stat[s] for s in LOGGED_STATS if s != "nonfinite"})
+        if w.get("wgrad_finite", 0.0) > 0:
+            metrics.update({metric_tag(layer.name, s): w[s] for s in LOGGED_WEIGHT_STATS})
+    total_nonfinite = host["all", "nonfinite"] + sum(host["weight", name, "wgrad_nonfinite"] for name in weights)
+    if reached:
+        metrics[metric_tag("all", "nonfinite")] = total_nonfinite
+        if not skipped:
+            metrics[metric_tag("all", "layers")] = host["all", "layers"]
+            if host["all", "layers"] > 0:
+                metrics.update({metric_tag("all", s): host["all", s] for s in agg if s not in ("nonfinite", "layers")})
     metrics[metric_tag("all", "overflow_skipped")] = float(skipped)
     if scale is not None:
         metrics[metric_tag("all", "loss_scale")] = scale
     return StepReport(
         metrics=metrics,
-        nonfinite=int(all_stats["nonfinite"]),
-        nonfinite_by_layer={layer.name: int(s["nonfinite"]) for layer, s in zip(layers, per_layer) if s["nonfinite"]},
-        g_rms=g_rms,
+        nonfinite=int(total_nonfinite),
+        nonfinite_by_layer=nonfinite_by_layer,
+        g_rms={name: g for name, g in g_rms.items() if host["layer", name, "finite"] > 0},
     )

@@ -3,10 +3,8 @@
 Needs only torch. Channels are paired exactly as MRSNorm pairs them: phasor ``i`` of a layer
 is the channel pair ``(2i, 2i+1)`` along its channel dim. For one norm layer, from the
 gradient ``g`` of the loss with respect to its *input* ``x`` (both of shape ``(N, C, *sp)``
-or ``(..., C)``), the capture step reduces every call to a packed vector of per-phasor sums
-(:func:`phasor_sums`)::
-
-    [ grad_sq (P) | radial_sq (P) | act_abs (P) | count | nonfinite ]
+or ``(..., C)``), the capture step reduces every call to named per-phasor sums
+(:class:`PhasorSums`, from :func:`phasor_sums`):
 
 * ``grad_sq[i]   = sum_n |g_i(n)|^2``, the squared norm of phasor ``i``'s gradient summed
   over every sample and position ``n``;
@@ -16,25 +14,27 @@ or ``(..., C)``), the capture step reduces every call to a packed vector of per-
 * ``count`` = the number of ``n`` (same for every phasor of a layer);
 * ``nonfinite`` = the number of NaN/Inf entries of ``g`` (they are left out of the sums).
 
-Sums add across calls, micro-batches and ranks, so accumulation and DDP reduce to one
-``+=`` and one ``all_reduce`` of the packed buffer. :func:`layer_stats` turns a buffer into
-the figures; every figure is finite (zeros and empty layers give documented neutral values,
-never NaN).
+Sums add (``a + b``) across calls, micro-batches and ranks. :func:`layer_stats` turns them
+into a dict of named figures, :func:`aggregate_stats` pools such dicts over layers; every
+figure is finite (zeros and empty layers give documented neutral values, never NaN).
 
 Example:
     >>> x = torch.randn(4, 6, 5, 5, requires_grad=True)
     >>> y = (x * torch.randn(6, 1, 1)).square().sum()
     >>> y.backward()
-    >>> sums = phasor_sums(x.detach(), x.grad, channel_dim=1)  # (3 * 3 + 2,)
-    >>> stats, g_rms = layer_stats(sums, num_phasors=3)
-    >>> dict(zip(STAT_NAMES, stats.tolist()))["grad_cv"] >= 0
+    >>> sums = phasor_sums(x.detach(), x.grad, channel_dim=1)
+    >>> sums.num_phasors
+    3
+    >>> stats, g_rms = layer_stats(sums)
+    >>> stats["grad_cv"].item() >= 0
     True
 """
 
 from __future__ import annotations
 
 import math
-from typing import Union
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -45,15 +45,15 @@ __all__ = [
     "ALL_STAT_NAMES",
     "STAT_NAMES",
     "WEIGHT_STAT_NAMES",
+    "PhasorSums",
     "aggregate_stats",
     "layer_stats",
     "phasor_grad_rms",
     "phasor_sums",
-    "slot_size",
     "weight_grad_stats",
 ]
 
-#: Per-layer figures, in the order of the vector :func:`layer_stats` returns.
+#: The keys of the dict :func:`layer_stats` returns.
 STAT_NAMES: tuple[str, ...] = (
     "grad_mean",  # mean_i G_i: the absolute (unscaled) gradient level
     "grad_cv",  # std_i G_i / mean_i G_i: the homogeneity figure (0 = perfectly even)
@@ -65,11 +65,12 @@ STAT_NAMES: tuple[str, ...] = (
     "radial_frac",  # share of gradient energy along each phasor's own direction
     "act_outlier_ratio",  # max_i A_i / mean_i A_i, A_i = mean input phasor magnitude
     "nonfinite",  # NaN/Inf gradient entries seen (excluded from everything above)
+    "finite",  # finite gradient entries the figures above come from (0: they mean nothing)
     "count",  # samples x positions the figures are computed over
 )
-#: Figures of an MRS layer's per-phasor weight gradient (see :func:`weight_grad_stats`).
-WEIGHT_STAT_NAMES: tuple[str, ...] = ("wgrad_mean", "wgrad_cv")
-#: Aggregates over layers, in the order of the vector :func:`aggregate_stats` returns.
+#: The keys of the dict :func:`weight_grad_stats` returns (an MRS layer's weight gradient).
+WEIGHT_STAT_NAMES: tuple[str, ...] = ("wgrad_mean", "wgrad_cv", "wgrad_nonfinite", "wgrad_finite")
+#: The keys of the dict :func:`aggregate_stats` returns.
 ALL_STAT_NAMES: tuple[str, ...] = (
     "grad_mean",  # mean over layers of grad_mean
     "grad_cv",  # mean over layers of grad_cv
@@ -78,26 +79,82 @@ ALL_STAT_NAMES: tuple[str, ...] = (
     "starved_frac",  # starved phasors / all phasors, pooled over layers
     "radial_frac",  # mean over layers of radial_frac
     "act_outlier_ratio",  # worst layer's act_outlier_ratio
-    "nonfinite",  # sum over layers
-    "layers",  # number of layers that received a gradient
+    "nonfinite",  # sum over layers (all of them)
+    "layers",  # number of layers whose figures went in: some finite gradient reached them
 )
 
 #: Cap of every ratio figure (a zero denominator under a positive numerator gives the cap):
 #: finite, and representable in the float32 TensorBoard stores.
 RATIO_CAP = 1e12
 _FP32_MAX = torch.finfo(torch.float32).max
-_IDX = {name: i for i, name in enumerate(STAT_NAMES)}
 
 Number = Union[float, int, Tensor]
 
 
-def slot_size(num_phasors: int) -> int:
-    """Length of a layer's packed sums vector: ``3 * P + 2``."""
-    return 3 * num_phasors + 2
+@dataclass(frozen=True)
+class PhasorSums:
+    """One layer's per-phasor sums (see the module docstring); they add with ``+``.
+
+    Attributes:
+        grad_sq: ``(P,)`` summed squared gradient norm of each phasor.
+        radial_sq: ``(P,)`` the part of ``grad_sq`` along each phasor's direction.
+        act_abs: ``(P,)`` summed input phasor magnitudes.
+        count: ``()`` samples x positions summed over.
+        nonfinite: ``()`` NaN/Inf gradient entries (left out of the sums).
+
+    Example:
+        >>> a = PhasorSums.zeros(2)
+        >>> (a + a).grad_sq.shape, a.as_dict().keys() == {f for f in PhasorSums.names()}
+        (torch.Size([2]), True)
+    """
+
+    grad_sq: Tensor
+    radial_sq: Tensor
+    act_abs: Tensor
+    count: Tensor
+    nonfinite: Tensor
+
+    def __post_init__(self) -> None:
+        p = tuple(self.grad_sq.shape)
+        if len(p) != 1 or self.radial_sq.shape != p or self.act_abs.shape != p or self.count.ndim or self.nonfinite.ndim:
+            raise ValueError(
+                "PhasorSums: grad_sq, radial_sq and act_abs must be (P,) vectors and count, nonfinite 0-d; got "
+                + ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.as_dict().items())
+                + "."
+            )
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """The field names, in declaration order."""
+        return tuple(f.name for f in fields(PhasorSums))
+
+    @classmethod
+    def zeros(cls, num_phasors: int, *, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None) -> "PhasorSums":
+        """Empty sums of ``num_phasors`` phasors (the start of an accumulation)."""
+        vec = torch.zeros(num_phasors, dtype=dtype, device=device)  # (P,)
+        scalar = torch.zeros((), dtype=dtype, device=device)
+        return cls(vec, vec.clone(), vec.clone(), scalar, scalar.clone())
+
+    @property
+    def num_phasors(self) -> int:
+        return self.grad_sq.shape[0]
+
+    def as_dict(self) -> dict[str, Tensor]:
+        """Field name -> tensor."""
+        return {name: getattr(self, name) for name in self.names()}
+
+    def to(self, *args: object, **kwargs: object) -> "PhasorSums":
+        """Every field through ``Tensor.to(*args, **kwargs)``."""
+        return PhasorSums(**{k: v.to(*args, **kwargs) for k, v in self.as_dict().items()})
+
+    def __add__(self, other: "PhasorSums") -> "PhasorSums":
+        if not isinstance(other, PhasorSums):
+            return NotImplemented
+        return PhasorSums(**{k: v + getattr(other, k) for k, v in self.as_dict().items()})
 
 
-def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> Tensor:
-    """Pack the per-phasor sums of one captured ``(input, input gradient)`` pair.
+def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> PhasorSums:
+    """The per-phasor sums of one captured ``(input, input gradient)`` pair.
 
     Computed on the tensors' device without a host sync, in fp32 (fp64 for fp64 inputs):
     half-precision gradients are upcast before squaring.
@@ -109,15 +166,15 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> Tensor:
         channel_dim: the channel dim (``1`` channels-first, ``-1`` channels-last).
 
     Returns:
-        A ``(3 * P + 2,)`` vector ``[grad_sq | radial_sq | act_abs | count | nonfinite]``.
+        :class:`PhasorSums` with ``P = C / 2`` phasors.
 
     Raises:
         ValueError: shapes differ or the channel dim is odd.
 
     Example:
         >>> x, g = torch.randn(2, 4), torch.randn(2, 4)
-        >>> phasor_sums(x, g, channel_dim=-1).shape
-        torch.Size([8])
+        >>> phasor_sums(x, g, channel_dim=-1).count.item()
+        2.0
     """
     if x.shape != grad.shape:
         raise ValueError(
@@ -125,9 +182,8 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> Tensor:
             f"{tuple(grad.shape)}."
         )
     cd = phasor_channel_dim(x, channel_dim, "phasor_sums")
-    channels = x.shape[cd]
     work = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    p = channels // 2
+    p = x.shape[cd] // 2
     lead = math.prod(x.shape[:cd])
     trail = math.prod(x.shape[cd + 1 :])
     with torch.no_grad():
@@ -148,23 +204,20 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> Tensor:
         # minimum keeps rounding from pushing the share past 1
         r2.clamp_min_(torch.finfo(work).tiny)  # no 0/0; moves |x_i| of a zero phasor by 1e-19 only
         radial = torch.minimum(radial.div_(r2), sq, out=radial)
-        return torch.cat(
-            [
-                sq.sum(dim=(0, 2)),  # (P,)
-                radial.sum(dim=(0, 2)),  # (P,)
-                r2.sqrt_().sum(dim=(0, 2)),  # (P,)
-                sq.new_full((1,), lead * trail),  # a fill kernel: no host-to-device copy
-                nonfinite.to(work).reshape(1),
-            ]
+        return PhasorSums(
+            grad_sq=sq.sum(dim=(0, 2)),  # (P,)
+            radial_sq=radial.sum(dim=(0, 2)),  # (P,)
+            act_abs=r2.sqrt_().sum(dim=(0, 2)),  # (P,)
+            count=sq.new_full((), lead * trail),  # a fill kernel: no host-to-device copy
+            nonfinite=nonfinite.to(work),
         )
 
 
-def phasor_grad_rms(sums: Tensor, num_phasors: int, grad_divisor: Number = 1.0) -> Tensor:
+def phasor_grad_rms(sums: PhasorSums, grad_divisor: Number = 1.0) -> Tensor:
     """``G_i``: the RMS over samples and positions of phasor ``i``'s gradient norm.
 
     Args:
-        sums: a packed vector from :func:`phasor_sums` (or a sum of them).
-        num_phasors: ``P``.
+        sums: :func:`phasor_sums` output (or a sum of them).
         grad_divisor: what the captured gradients are multiplied by compared with the true
             gradient of the (global-batch) loss: the GradScaler's scale times, under DDP, the
             world size.
@@ -173,10 +226,9 @@ def phasor_grad_rms(sums: Tensor, num_phasors: int, grad_divisor: Number = 1.0) 
         ``(P,)`` float64 ``G_i``; zeros when nothing was captured. Overflowed sums saturate at
         the float32 maximum instead of becoming Inf.
     """
-    p = num_phasors
-    s = sums.to(torch.float64)
-    count = s[3 * p]
-    g_rms = (s[:p] / count.clamp_min(1.0)).sqrt() / grad_divisor  # (P,)
+    count = sums.count.to(torch.float64)
+    grad_sq = torch.nan_to_num(sums.grad_sq.to(torch.float64), nan=0.0, posinf=_FP32_MAX)  # (P,)
+    g_rms = (grad_sq / count.clamp_min(1.0)).sqrt() / grad_divisor  # (P,)
     return torch.nan_to_num(g_rms, nan=0.0, posinf=_FP32_MAX)
 
 
@@ -189,13 +241,12 @@ def _ratio(num: Tensor, den: Tensor, zero_over_zero: float) -> Tensor:
 
 
 def layer_stats(
-    sums: Tensor,
-    num_phasors: int,
+    sums: PhasorSums,
     *,
     grad_divisor: Number = 1.0,
     starved_threshold: float = 0.1,
-) -> tuple[Tensor, Tensor]:
-    """The per-layer figures of :data:`STAT_NAMES` from packed sums, on the sums' device.
+) -> tuple[dict[str, Tensor], Tensor]:
+    """The per-layer figures (:data:`STAT_NAMES`) from a layer's sums, on their device.
 
     Definitions (``G_i`` from :func:`phasor_grad_rms`, ``A_i = act_abs[i] / count``):
 
@@ -208,131 +259,136 @@ def layer_stats(
     * ``radial_frac = sum_i radial_sq[i] / sum_i grad_sq[i]`` (``0`` without gradient): 0.5 for
       an isotropic gradient, 1 when the gradient only changes magnitudes, 0 only phases.
     * ``act_outlier_ratio = max_i A_i / mean_i A_i`` (``1`` for an all-zero input).
-    * ``nonfinite``, ``count``: copied from the sums.
+    * ``nonfinite``, ``count``: copied from the sums; ``finite = 2 P count - nonfinite``, the
+      gradient entries the figures come from. With ``finite == 0`` (no gradient, or every
+      entry NaN/Inf) the gradient figures take the neutral values above and mean nothing:
+      callers leave them out (the monitor logs only ``nonfinite`` then).
 
     Ratios are capped at :data:`RATIO_CAP`.
 
     Args:
-        sums: packed ``(3 * P + 2,)`` vector (see :func:`phasor_sums`).
-        num_phasors: ``P``.
+        sums: :func:`phasor_sums` output (or a sum of them).
         grad_divisor: see :func:`phasor_grad_rms`.
         starved_threshold: the starvation threshold relative to the median ``G_i``.
 
     Returns:
-        ``(stats, G)``: a float64 vector ordered as :data:`STAT_NAMES` and the ``(P,)`` ``G_i``.
+        ``(stats, G)``: name -> float64 0-d tensor (keys :data:`STAT_NAMES`) and the ``(P,)`` ``G_i``.
 
     Example:
         >>> sums = phasor_sums(torch.ones(3, 4), torch.ones(3, 4), channel_dim=-1)
-        >>> stats, g_rms = layer_stats(sums, 2)
-        >>> g_rms.tolist(), stats[STAT_NAMES.index("radial_frac")].item()
-        ([1.4142135623730951, 1.4142135623730951], 1.0)
+        >>> stats, g_rms = layer_stats(sums)
+        >>> [round(g, 6) for g in g_rms.tolist()], stats["radial_frac"].item()
+        ([1.414214, 1.414214], 1.0)
     """
-    p = num_phasors
-    if sums.ndim != 1 or sums.numel() != slot_size(p):
-        raise ValueError(
-            f"layer_stats: expected packed sums of shape ({slot_size(p)},) for {p} phasors, got "
-            f"{tuple(sums.shape)}."
-        )
+    p = sums.num_phasors
     # fp32 sums of squares overflow only past |g| ~ 1e19: saturate them rather than make NaN
-    s = torch.nan_to_num(sums.to(torch.float64), nan=0.0, posinf=_FP32_MAX)
-    count, nonfinite = s[3 * p], s[3 * p + 1]
-    g_rms = phasor_grad_rms(s, p, grad_divisor)  # (P,)
-    zero = s.new_zeros(())
+    s = {k: torch.nan_to_num(v.to(torch.float64), nan=0.0, posinf=_FP32_MAX) for k, v in sums.as_dict().items()}
+    count, nonfinite = s["count"], s["nonfinite"]
+    g_rms = phasor_grad_rms(sums, grad_divisor)  # (P,)
+    zero = count.new_zeros(())
     mean = g_rms.mean()
     std = g_rms.std(correction=0) if p > 1 else zero
     q = torch.quantile(g_rms, g_rms.new_tensor([0.05, 0.5, 0.95]))  # (3,)
     median, g_max = q[1], g_rms.max()
     starved = (g_rms < starved_threshold * median) | ((g_rms == 0) & (g_max > 0))  # (P,)
-    grad_sq_total = s[:p].sum()
+    grad_sq_total = s["grad_sq"].sum()
     radial_frac = torch.where(
-        grad_sq_total > 0, s[p : 2 * p].sum() / grad_sq_total.clamp_min(1e-300), zero
+        grad_sq_total > 0, s["radial_sq"].sum() / grad_sq_total.clamp_min(1e-300), zero
     ).clamp(0.0, 1.0)
-    act = torch.nan_to_num(s[2 * p : 3 * p] / count.clamp_min(1.0), posinf=_FP32_MAX)  # (P,)
-    stats = torch.stack(
-        [
-            mean,
-            _ratio(std, mean, 0.0),
-            _ratio(g_max, median, 1.0),
-            q[0],
-            median,
-            q[2],
-            starved.to(torch.float64).mean(),
-            radial_frac,
-            _ratio(act.max(), act.mean(), 1.0),
-            nonfinite,
-            count,
-        ]
-    )
+    act = torch.nan_to_num(s["act_abs"] / count.clamp_min(1.0), posinf=_FP32_MAX)  # (P,)
+    stats = {
+        "grad_mean": mean,
+        "grad_cv": _ratio(std, mean, 0.0),
+        "grad_max_ratio": _ratio(g_max, median, 1.0),
+        "grad_p05": q[0],
+        "grad_p50": median,
+        "grad_p95": q[2],
+        "starved_frac": starved.to(torch.float64).mean(),
+        "radial_frac": radial_frac,
+        "act_outlier_ratio": _ratio(act.max(), act.mean(), 1.0),
+        "nonfinite": nonfinite,
+        "finite": (2 * p * count - nonfinite).clamp_min(0.0),
+        "count": count,
+    }
     return stats, g_rms
 
 
-def weight_grad_stats(weight_grad: Tensor) -> tuple[Tensor, Tensor]:
-    """``(wgrad_mean, wgrad_cv)`` of an MRS layer's per-phasor weight gradient.
+def weight_grad_stats(weight_grad: Tensor) -> dict[str, Tensor]:
+    """The figures of an MRS layer's per-phasor weight gradient (keys :data:`WEIGHT_STAT_NAMES`).
 
     ``wgrad_mean = mean_i |dL/dw_i|`` and ``wgrad_cv = std_i |dL/dw_i| / wgrad_mean``, over the
-    finite entries; the second element of the result is the number of non-finite entries.
+    finite entries; ``wgrad_nonfinite`` / ``wgrad_finite`` count the entries left out / used
+    (with no finite entry the first two are 0 and mean nothing).
 
     Returns:
-        ``(stats, nonfinite)``: a float64 ``(2,)`` vector ordered as
-        :data:`WEIGHT_STAT_NAMES` and a 0-d float64 count.
+        name -> float64 0-d tensor, on the gradient's device.
 
     Example:
-        >>> weight_grad_stats(torch.tensor([1.0, -3.0]))[0].tolist()
-        [2.0, 0.5]
+        >>> {k: v.item() for k, v in weight_grad_stats(torch.tensor([1.0, -3.0])).items()}
+        {'wgrad_mean': 2.0, 'wgrad_cv': 0.5, 'wgrad_nonfinite': 0.0, 'wgrad_finite': 2.0}
     """
     w = weight_grad.detach().reshape(-1).to(torch.float64)
     finite = torch.isfinite(w)
     a = torch.where(finite, w, 0.0).abs()  # (P,)
-    n = finite.sum().clamp_min(1).to(torch.float64)
+    n_finite = finite.sum().to(torch.float64)
+    n = n_finite.clamp_min(1.0)
     mean = a.sum() / n
     var = (torch.where(finite, a - mean, 0.0) ** 2).sum() / n
-    stats = torch.stack([mean, _ratio(var.sqrt(), mean, 0.0)])
-    return stats, (~finite).sum().to(torch.float64)
+    return {
+        "wgrad_mean": mean,
+        "wgrad_cv": _ratio(var.sqrt(), mean, 0.0),
+        "wgrad_nonfinite": w.numel() - n_finite,
+        "wgrad_finite": n_finite,
+    }
 
 
-def aggregate_stats(stats: Tensor, num_phasors: Tensor) -> Tensor:
-    """Aggregate per-layer figures into :data:`ALL_STAT_NAMES`.
+def aggregate_stats(rows: Sequence[Mapping[str, Tensor]], num_phasors: Sequence[int]) -> dict[str, Tensor]:
+    """Pool per-layer figures (:func:`layer_stats` dicts) into :data:`ALL_STAT_NAMES`.
 
-    Layers with ``count == 0`` (no gradient reached them) are left out of everything but
-    ``nonfinite``; with no layer left the figures are zeros.
+    Layers without a finite gradient entry (``finite == 0``: none reached them, or all of it
+    was NaN/Inf) are left out of everything but ``nonfinite``; with no layer left the figures
+    are zeros.
 
     Args:
-        stats: ``(L, len(STAT_NAMES))`` rows from :func:`layer_stats`.
-        num_phasors: ``(L,)`` ``P`` of each layer.
+        rows: one :func:`layer_stats` dict per layer.
+        num_phasors: ``P`` of each layer, in the same order.
 
     Returns:
-        A float64 vector ordered as :data:`ALL_STAT_NAMES`.
+        name -> float64 0-d tensor, on the rows' device.
 
     Example:
-        >>> rows = torch.stack([layer_stats(phasor_sums(torch.ones(2, 4), torch.ones(2, 4), -1), 2)[0]])
-        >>> aggregate_stats(rows, torch.tensor([2]))[ALL_STAT_NAMES.index("layers")].item()
+        >>> row, _ = layer_stats(phasor_sums(torch.ones(2, 4), torch.ones(2, 4), -1))
+        >>> aggregate_stats([row], [2])["layers"].item()
         1.0
     """
-    s = stats.to(torch.float64)
-    nph = num_phasors.to(device=s.device, dtype=torch.float64)  # (L,)
-    live = s[:, _IDX["count"]] > 0  # (L,)
-    nonfinite = s[:, _IDX["nonfinite"]].sum()
-    zero = s.new_zeros(())
+    if len(rows) != len(num_phasors):
+        raise ValueError(f"aggregate_stats: {len(rows)} rows but {len(num_phasors)} phasor counts.")
+    if not rows:
+        return {name: torch.zeros((), dtype=torch.float64) for name in ALL_STAT_NAMES}
+
+    def col(name: str) -> Tensor:
+        return torch.stack([row[name].to(torch.float64) for row in rows])  # (L,)
+
+    live = col("finite") > 0  # (L,)
+    nph = col("finite").new_tensor(list(num_phasors), dtype=torch.float64)  # (L,)
     n_live = live.sum().to(torch.float64)
 
-    def mean(col: str) -> Tensor:
-        return torch.where(live, s[:, _IDX[col]], 0.0).sum() / n_live.clamp_min(1.0)
+    def mean(name: str) -> Tensor:
+        return torch.where(live, col(name), 0.0).sum() / n_live.clamp_min(1.0)
 
-    def worst(col: str) -> Tensor:
-        return torch.where(live, s[:, _IDX[col]], 0.0).max() if s.shape[0] else zero
+    def worst(name: str) -> Tensor:
+        return torch.where(live, col(name), 0.0).max()
 
-    pooled_starved = torch.where(live, s[:, _IDX["starved_frac"]] * nph, 0.0).sum()
+    pooled_starved = torch.where(live, col("starved_frac") * nph, 0.0).sum()
     phasors_live = torch.where(live, nph, 0.0).sum()
-    return torch.stack(
-        [
-            mean("grad_mean"),
-            mean("grad_cv"),
-            worst("grad_cv"),
-            worst("grad_max_ratio"),
-            pooled_starved / phasors_live.clamp_min(1.0),
-            mean("radial_frac"),
-            worst("act_outlier_ratio"),
-            nonfinite,
-            n_live,
-        ]
-    )
+    return {
+        "grad_mean": mean("grad_mean"),
+        "grad_cv": mean("grad_cv"),
+        "grad_cv_max": worst("grad_cv"),
+        "grad_max_ratio": worst("grad_max_ratio"),
+        "starved_frac": pooled_starved / phasors_live.clamp_min(1.0),
+        "radial_frac": mean("radial_frac"),
+        "act_outlier_ratio": worst("act_outlier_ratio"),
+        "nonfinite": col("nonfinite").sum(),
+        "layers": n_live,
+    }

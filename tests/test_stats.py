@@ -12,11 +12,12 @@ from lightning_mrs.stats import (
     ALL_STAT_NAMES,
     RATIO_CAP,
     STAT_NAMES,
+    WEIGHT_STAT_NAMES,
+    PhasorSums,
     aggregate_stats,
     layer_stats,
     phasor_grad_rms,
     phasor_sums,
-    slot_size,
     weight_grad_stats,
 )
 
@@ -28,11 +29,15 @@ TOL = {  # (atol, rtol) of the sums, relative to the float64 reference
 }
 
 
-def stat(stats: torch.Tensor, name: str) -> float:
-    return stats[STAT_NAMES.index(name)].item()
+def stat(stats: dict[str, torch.Tensor], name: str) -> float:
+    return stats[name].item()
 
 
-def reference_sums(x: torch.Tensor, g: torch.Tensor, channel_dim: int) -> torch.Tensor:
+def as_float64(sums: PhasorSums) -> dict[str, torch.Tensor]:
+    return {k: v.double() for k, v in sums.as_dict().items()}
+
+
+def reference_sums(x: torch.Tensor, g: torch.Tensor, channel_dim: int) -> dict[str, torch.Tensor]:
     """Per-phasor sums by explicit loops in float64 (independent of the vectorised code)."""
     cd = channel_dim % x.ndim
     xs = x.double().movedim(cd, -1).reshape(-1, x.shape[cd]).tolist()
@@ -52,7 +57,12 @@ def reference_sums(x: torch.Tensor, g: torch.Tensor, channel_dim: int) -> torch.
             if r > 0:
                 radial_sq[i] += ((ge * xe + go * xo) / r) ** 2
             act[i] += r
-    return torch.tensor(grad_sq + radial_sq + act + [len(xs), nonfinite], dtype=torch.float64)
+    f64 = torch.float64
+    return {
+        "grad_sq": torch.tensor(grad_sq, dtype=f64), "radial_sq": torch.tensor(radial_sq, dtype=f64),
+        "act_abs": torch.tensor(act, dtype=f64), "count": torch.tensor(float(len(xs)), dtype=f64),
+        "nonfinite": torch.tensor(float(nonfinite), dtype=f64),
+    }
 
 
 def test_hand_computation_one_layer() -> None:
@@ -62,10 +72,15 @@ def test_hand_computation_one_layer() -> None:
     sums = phasor_sums(x, g, channel_dim=-1)
     # phasor 0: |g|^2 = 25 + 1 = 26; radial: g.u = (9+16)/5 = 5 -> 25, (0)/2 -> 0 ; act 5 + 2
     # phasor 1: |g|^2 = 4 + 9 = 13; radial: (0*1 + 2*0)/1 = 0, zero input phasor -> 0 ; act 1 + 0
-    expected = torch.tensor([26.0, 13.0, 25.0, 0.0, 7.0, 1.0, 2.0, 0.0], dtype=torch.float64)
-    torch.testing.assert_close(sums.double(), expected)
+    f64 = torch.float64
+    expected = {
+        "grad_sq": torch.tensor([26.0, 13.0], dtype=f64), "radial_sq": torch.tensor([25.0, 0.0], dtype=f64),
+        "act_abs": torch.tensor([7.0, 1.0], dtype=f64), "count": torch.tensor(2.0, dtype=f64),
+        "nonfinite": torch.tensor(0.0, dtype=f64),
+    }
+    torch.testing.assert_close(as_float64(sums), expected)
 
-    stats, g_rms = layer_stats(sums, 2, starved_threshold=0.1)
+    stats, g_rms = layer_stats(sums, starved_threshold=0.1)
     torch.testing.assert_close(g_rms, torch.tensor([math.sqrt(13.0), math.sqrt(6.5)], dtype=torch.float64))
     g0, g1 = math.sqrt(13.0), math.sqrt(6.5)
     mean = (g0 + g1) / 2
@@ -80,6 +95,8 @@ def test_hand_computation_one_layer() -> None:
     assert stat(stats, "act_outlier_ratio") == pytest.approx(3.5 / 2.0)  # A = (3.5, 0.5), mean 2
     assert stat(stats, "nonfinite") == 0.0
     assert stat(stats, "count") == 2.0
+    assert stat(stats, "finite") == 8.0  # 2 samples x 4 channels
+    assert set(stats) == set(STAT_NAMES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -92,15 +109,15 @@ def test_sums_match_float64_loops(shape: tuple[int, ...], channel_dim: int, dtyp
     x = torch.randn(shape, generator=gen).to(dtype)
     g = (torch.randn(shape, generator=gen) * 1e-2).to(dtype)
     sums = phasor_sums(x, g, channel_dim)
-    assert sums.shape == (slot_size(shape[channel_dim] // 2),)
+    assert sums.num_phasors == shape[channel_dim] // 2
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(sums.double(), reference_sums(x, g, channel_dim), atol=atol, rtol=rtol)
+    torch.testing.assert_close(as_float64(sums), reference_sums(x, g, channel_dim), atol=atol, rtol=rtol)
 
 
 def test_sums_channels_last_memory_format() -> None:
     x = torch.randn(2, 8, 5, 3).to(memory_format=torch.channels_last)
     g = torch.randn(2, 8, 5, 3).to(memory_format=torch.channels_last)
-    torch.testing.assert_close(phasor_sums(x, g, 1).double(), reference_sums(x, g, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(as_float64(phasor_sums(x, g, 1)), reference_sums(x, g, 1), atol=1e-5, rtol=1e-5)
 
 
 def test_nonfinite_entries_counted_and_excluded() -> None:
@@ -111,10 +128,19 @@ def test_nonfinite_entries_counted_and_excluded() -> None:
     g[2, 5, 1] = float("-inf")
     sums = phasor_sums(x, g, 1)
     ref = reference_sums(x, g, 1)
-    torch.testing.assert_close(sums.double(), ref, atol=1e-5, rtol=1e-5)
-    stats, g_rms = layer_stats(sums, 3)
-    assert stat(stats, "nonfinite") == 3.0
-    assert torch.isfinite(stats).all() and torch.isfinite(g_rms).all()
+    torch.testing.assert_close(as_float64(sums), ref, atol=1e-5, rtol=1e-5)
+    stats, g_rms = layer_stats(sums)
+    assert stat(stats, "nonfinite") == 3.0 and stat(stats, "finite") == 4 * 6 * 3 - 3
+    assert all(v.isfinite() for v in stats.values()) and torch.isfinite(g_rms).all()
+
+
+def test_all_nonfinite_gradient_has_no_finite_entry() -> None:
+    """Every entry NaN/Inf: ``finite == 0`` marks the (neutral) gradient figures as meaningless."""
+    x = torch.randn(3, 4, 2)
+    g = torch.full((3, 4, 2), float("nan"))
+    g[0, 0, 0] = float("inf")
+    stats, _ = layer_stats(phasor_sums(x, g, 1))
+    assert stat(stats, "nonfinite") == 24.0 and stat(stats, "finite") == 0.0 and stat(stats, "count") == 6.0
 
 
 def test_layer_stats_match_numpy_reference() -> None:
@@ -122,12 +148,12 @@ def test_layer_stats_match_numpy_reference() -> None:
     p, n = 9, 11
     x = torch.randn(n, 2 * p, generator=gen) * torch.linspace(0.1, 5.0, 2 * p)
     g = torch.randn(n, 2 * p, generator=gen) * torch.linspace(2.0, 0.01, 2 * p)
-    ref = reference_sums(x, g, -1).numpy()
+    ref = {k: v.numpy() for k, v in reference_sums(x, g, -1).items()}
     divisor = 8.0
-    g_ref = np.sqrt(ref[:p] / n) / divisor
+    g_ref = np.sqrt(ref["grad_sq"] / n) / divisor
     med = np.median(g_ref)
-    act = ref[2 * p : 3 * p] / n
-    stats, g_rms = layer_stats(phasor_sums(x, g, -1), p, grad_divisor=divisor, starved_threshold=0.3)
+    act = ref["act_abs"] / n
+    stats, g_rms = layer_stats(phasor_sums(x, g, -1), grad_divisor=divisor, starved_threshold=0.3)
     np.testing.assert_allclose(g_rms.numpy(), g_ref, rtol=1e-5)
     expected = {
         "grad_mean": g_ref.mean(),
@@ -137,12 +163,13 @@ def test_layer_stats_match_numpy_reference() -> None:
         "grad_p50": med,
         "grad_p95": np.quantile(g_ref, 0.95),
         "starved_frac": np.mean(g_ref < 0.3 * med),
-        "radial_frac": ref[p : 2 * p].sum() / ref[:p].sum(),
+        "radial_frac": ref["radial_sq"].sum() / ref["grad_sq"].sum(),
         "act_outlier_ratio": act.max() / act.mean(),
         "nonfinite": 0.0,
+        "finite": float(n * 2 * p),
         "count": float(n),
     }
-    got = dict(zip(STAT_NAMES, stats.tolist()))
+    got = {k: v.item() for k, v in stats.items()}
     assert 0 < expected["starved_frac"] < 1  # the data do exercise starvation
     for name, value in expected.items():
         assert got[name] == pytest.approx(value, rel=1e-5), name
@@ -151,8 +178,8 @@ def test_layer_stats_match_numpy_reference() -> None:
 def test_scale_invariant_figures_and_unscaled_mean() -> None:
     """Dividing by the GradScaler scale recovers the true level; the shape figures ignore it."""
     x, g = torch.randn(5, 8, 3), torch.randn(5, 8, 3)
-    plain, _ = layer_stats(phasor_sums(x, g, 1), 4)
-    scaled, _ = layer_stats(phasor_sums(x, g * 1024.0, 1), 4, grad_divisor=1024.0)
+    plain, _ = layer_stats(phasor_sums(x, g, 1))
+    scaled, _ = layer_stats(phasor_sums(x, g * 1024.0, 1), grad_divisor=1024.0)
     torch.testing.assert_close(scaled, plain)
 
 
@@ -161,21 +188,21 @@ def test_radial_frac_extremes() -> None:
     radial_only = x * torch.rand(6, 2).repeat_interleave(2, dim=1)  # g_i parallel to x_i
     even, odd = x[:, 0::2], x[:, 1::2]
     tangential = torch.stack([-odd, even], dim=-1).flatten(1)  # g_i perpendicular to x_i
-    assert stat(layer_stats(phasor_sums(x, radial_only, -1), 2)[0], "radial_frac") == pytest.approx(1.0)
-    assert stat(layer_stats(phasor_sums(x, tangential, -1), 2)[0], "radial_frac") == pytest.approx(0.0, abs=1e-6)
+    assert stat(layer_stats(phasor_sums(x, radial_only, -1))[0], "radial_frac") == pytest.approx(1.0)
+    assert stat(layer_stats(phasor_sums(x, tangential, -1))[0], "radial_frac") == pytest.approx(0.0, abs=1e-6)
 
 
 def test_zeros_give_neutral_finite_values() -> None:
     x = torch.zeros(3, 4)
     g = torch.zeros(3, 4)
-    stats, g_rms = layer_stats(phasor_sums(x, g, -1), 2)
-    got = dict(zip(STAT_NAMES, stats.tolist()))
-    assert torch.isfinite(stats).all()
+    stats, g_rms = layer_stats(phasor_sums(x, g, -1))
+    got = {k: v.item() for k, v in stats.items()}
+    assert all(math.isfinite(v) for v in got.values())
     assert got["grad_mean"] == 0 and got["grad_cv"] == 0 and got["grad_max_ratio"] == 1
     assert got["radial_frac"] == 0 and got["act_outlier_ratio"] == 1 and got["starved_frac"] == 0
     # empty sums (a layer never reached by the gradient)
-    empty, _ = layer_stats(torch.zeros(slot_size(3), dtype=torch.float64), 3)
-    assert torch.isfinite(empty).all() and stat(empty, "count") == 0
+    empty, _ = layer_stats(PhasorSums.zeros(3))
+    assert all(v.isfinite() for v in empty.values()) and stat(empty, "count") == 0 and stat(empty, "finite") == 0
 
 
 def test_zero_median_and_starved_phasors() -> None:
@@ -183,7 +210,7 @@ def test_zero_median_and_starved_phasors() -> None:
     x = torch.ones(2, 8)
     g = torch.zeros(2, 8)
     g[:, 0] = 1.0
-    stats, _ = layer_stats(phasor_sums(x, g, -1), 4)
+    stats, _ = layer_stats(phasor_sums(x, g, -1))
     assert stat(stats, "grad_max_ratio") == RATIO_CAP
     assert stat(stats, "starved_frac") == 0.75
 
@@ -191,16 +218,18 @@ def test_zero_median_and_starved_phasors() -> None:
 def test_overflowing_sums_saturate_not_nan() -> None:
     x = torch.randn(2, 4)
     g = torch.full((2, 4), 3e30)  # finite in fp32, square overflows
-    stats, g_rms = layer_stats(phasor_sums(x, g, -1), 2)
-    assert torch.isfinite(stats).all() and torch.isfinite(g_rms).all()
+    stats, g_rms = layer_stats(phasor_sums(x, g, -1))
+    assert all(v.isfinite() for v in stats.values()) and torch.isfinite(g_rms).all()
 
 
 def test_weight_grad_stats() -> None:
     w = torch.tensor([1.0, -2.0, 3.0, float("nan")])
-    stats, nonfinite = weight_grad_stats(w)
+    stats = {k: v.item() for k, v in weight_grad_stats(w).items()}
     a = np.array([1.0, 2.0, 3.0])
-    np.testing.assert_allclose(stats.numpy(), [a.mean(), a.std() / a.mean()])
-    assert nonfinite.item() == 1.0
+    assert tuple(stats) == WEIGHT_STAT_NAMES
+    np.testing.assert_allclose([stats["wgrad_mean"], stats["wgrad_cv"]], [a.mean(), a.std() / a.mean()])
+    assert stats["wgrad_nonfinite"] == 1.0 and stats["wgrad_finite"] == 3.0
+    assert weight_grad_stats(torch.full((3,), float("inf")))["wgrad_finite"].item() == 0.0
 
 
 def test_aggregate_stats() -> None:
@@ -209,12 +238,13 @@ def test_aggregate_stats() -> None:
     for p in nph:
         x, g = torch.randn(4, 2 * p, generator=gen), torch.randn(4, 2 * p, generator=gen)
         g[:, :2] *= 1e-4  # one starved phasor per layer
-        rows.append(layer_stats(phasor_sums(x, g, -1), p)[0])
-    rows.append(layer_stats(torch.zeros(slot_size(4), dtype=torch.float64), 4)[0])  # no gradient
-    table = torch.stack(rows)
-    agg = dict(zip(ALL_STAT_NAMES, aggregate_stats(table, torch.tensor(nph + [4])).tolist()))
-    live = table[:3]
-    col = {n: live[:, STAT_NAMES.index(n)] for n in STAT_NAMES}
+        rows.append(layer_stats(phasor_sums(x, g, -1))[0])
+    rows.append(layer_stats(PhasorSums.zeros(4))[0])  # no gradient
+    nan_sums = phasor_sums(torch.randn(4, 6), torch.full((4, 6), float("nan")), -1)
+    rows.append(layer_stats(nan_sums)[0])  # every gradient entry NaN: only its count goes in
+    agg = {k: v.item() for k, v in aggregate_stats(rows, nph + [4, 3]).items()}
+    assert tuple(agg) == ALL_STAT_NAMES
+    col = {n: torch.stack([r[n] for r in rows[:3]]) for n in STAT_NAMES}
     assert agg["layers"] == 3
     assert agg["grad_mean"] == pytest.approx(col["grad_mean"].mean().item())
     assert agg["grad_cv"] == pytest.approx(col["grad_cv"].mean().item())
@@ -223,16 +253,46 @@ def test_aggregate_stats() -> None:
     assert agg["starved_frac"] == pytest.approx(3 / 10)
     assert agg["radial_frac"] == pytest.approx(col["radial_frac"].mean().item())
     assert agg["act_outlier_ratio"] == pytest.approx(col["act_outlier_ratio"].max().item())
+    assert agg["nonfinite"] == 24.0
+    with pytest.raises(ValueError, match="3 rows but 2 phasor counts"):
+        aggregate_stats(rows[:3], nph[:2])
+
+
+def test_phasor_sums_add_and_validate() -> None:
+    x1, g1, x2, g2 = (torch.randn(3, 8, 2) for _ in range(4))
+    both = phasor_sums(torch.cat([x1, x2]), torch.cat([g1, g2]), 1)
+    added = phasor_sums(x1, g1, 1) + phasor_sums(x2, g2, 1)  # sums over a split batch add up
+    torch.testing.assert_close(added.as_dict(), both.as_dict())
+    assert (PhasorSums.zeros(4) + added.to(torch.float64)).count.item() == 12
+    with pytest.raises(ValueError, match=r"grad_sq \(3,\), radial_sq \(2,\)"):
+        PhasorSums(torch.zeros(3), torch.zeros(2), torch.zeros(3), torch.zeros(()), torch.zeros(()))
+
+
+def test_apply_flat_runs_once_and_restores_names() -> None:
+    """The monitor's one-collective / one-copy helper (torch only, lives with the capture)."""
+    from lightning_mrs.callbacks.homogeneity_capture import apply_flat
+
+    named = {("a", "v"): torch.arange(3.0), ("b", "s"): torch.tensor(5.0), ("c", "m"): torch.ones(2, 2)}
+    calls = []
+
+    def fn(flat: torch.Tensor) -> torch.Tensor:
+        calls.append(flat.shape)
+        return flat * 10
+
+    out = apply_flat(named, fn, torch.float64)
+    assert calls == [torch.Size([8])]
+    assert list(out) == list(named)
+    for key, v in named.items():
+        torch.testing.assert_close(out[key], v.double() * 10)
+    assert apply_flat({}, fn) == {}
 
 
 def test_phasor_grad_rms_divisor_and_bad_input() -> None:
     sums = phasor_sums(torch.ones(4, 2), torch.full((4, 2), 3.0), -1)
-    assert phasor_grad_rms(sums, 1, grad_divisor=2.0).item() == pytest.approx(math.sqrt(18.0) / 2)
+    assert phasor_grad_rms(sums, grad_divisor=2.0).item() == pytest.approx(math.sqrt(18.0) / 2)
     with pytest.raises(ValueError, match="even"):
         phasor_sums(torch.ones(2, 3), torch.ones(2, 3), -1)
     with pytest.raises(ValueError, match="shapes differ"):
         phasor_sums(torch.ones(2, 4), torch.ones(2, 2), -1)
     with pytest.raises(ValueError, match="out of range"):
         phasor_sums(torch.ones(2, 4), torch.ones(2, 4), 2)
-    with pytest.raises(ValueError, match="packed sums"):
-        layer_stats(torch.zeros(5), 2)

@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.lightning import fit, image_data
 from lightning_mrs.callbacks import GradientHomogeneityMonitor, NormSwap
 from lightning_mrs.swap.registry import iter_norm_layers
 
@@ -51,33 +51,12 @@ def timm_vit() -> nn.Module:
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=5)
 
 
-class Module(pl.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
-
 def run(tmp_path: Path, net_fn: Callable[[], nn.Module], swap: bool, size: int = 12, **kw: Any):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    torch.manual_seed(0)
-    module = Module(net_fn())
-    gen = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(32, 3, size, size, generator=gen), torch.randint(0, 5, (32,), generator=gen))
     logger = TensorBoardLogger(tmp_path, name="swap" if swap else "plain")
-    trainer = pl.Trainer(
-        max_steps=4, accelerator="cpu", logger=logger, log_every_n_steps=1,
-        callbacks=[*([NormSwap()] if swap else []), GradientHomogeneityMonitor()],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw,
-    )
-    trainer.fit(module, DataLoader(data, batch_size=8))
+    _, module = fit(net_fn, steps=4, logger=logger, data=image_data(32, (size, size)),
+                    callbacks=[*([NormSwap()] if swap else []), GradientHomogeneityMonitor()], **kw)
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return module, acc

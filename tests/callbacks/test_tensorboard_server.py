@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -12,39 +11,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from helpers.ddp import free_port
+from helpers.lightning import fit, image_data
 from lightning_mrs import MRSNorm2d
+from lightning_mrs.callbacks import GradientHomogeneityMonitor
 
 START_TIMEOUT_S = 90
 
 
-class Module(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1),
-            nn.BatchNorm2d(6), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5),
-        )
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1),
+        nn.BatchNorm2d(6), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5),
+    )
 
 
 def _get_json(url: str) -> Any:
@@ -53,17 +36,10 @@ def _get_json(url: str) -> Any:
 
 
 def test_tensorboard_server_serves_tags_and_layout(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    data = TensorDataset(torch.randn(16, 3, 6, 6), torch.randint(0, 5, (16,)))
     logger = TensorBoardLogger(tmp_path, name="run")
-    trainer = pl.Trainer(
-        max_steps=2, accelerator="cpu", logger=logger, log_every_n_steps=1,
-        callbacks=[GradientHomogeneityMonitor()], enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(Module(), DataLoader(data, batch_size=8))
+    fit(net, steps=2, logger=logger, data=image_data(16, (6, 6)), callbacks=[GradientHomogeneityMonitor()])
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
          "--port", str(port), "--reload_interval", "1"],

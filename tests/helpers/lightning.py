@@ -11,9 +11,9 @@ from typing import Any, Callable, Iterable, Optional, Union
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-__all__ = ["TinyModule", "conv_net", "fit", "image_data"]
+__all__ = ["ManualModule", "TinyModule", "conv_net", "fit", "image_data", "per_sample_net"]
 
 NetFactory = Callable[[], nn.Module]
 
@@ -27,6 +27,18 @@ def conv_net() -> nn.Sequential:
     )
 
 
+def per_sample_net() -> nn.Sequential:
+    """Only per-sample norms (MRSNorm2d over each sample, GroupNorm, MRSNorm, LayerNorm; no
+    BatchNorm): a batch split into parts (accumulation, DDP) gives the same input gradients."""
+    from lightning_mrs import MRSNorm, MRSNorm2d
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8, spatial=True), nn.GELU(),
+        nn.Conv2d(8, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.GELU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 10), MRSNorm(10), nn.LayerNorm(10), nn.Linear(10, 5),
+    )
+
+
 def image_data(n: int = 32, size: tuple[int, int] = (7, 5), classes: int = 5, seed: int = 1) -> TensorDataset:
     """``n`` random ``(3, *size)`` images with labels in ``[0, classes)``, the same for a seed."""
     gen = torch.Generator().manual_seed(seed)
@@ -34,8 +46,9 @@ def image_data(n: int = 32, size: tuple[int, int] = (7, 5), classes: int = 5, se
 
 
 class TinyModule(pl.LightningModule):
-    """Cross-entropy on ``net`` with SGD; ``net`` is built in ``__init__`` (``build="init"``),
-    in ``configure_model`` (``"configure_model"``) or in ``setup`` (``"setup"``).
+    """Cross-entropy on ``net`` with SGD, logged as ``train/loss`` (``self.log``); ``net`` is built
+    in ``__init__`` (``build="init"``), in ``configure_model`` (``"configure_model"``) or in
+    ``setup`` (``"setup"``).
 
     Args:
         net_fn: the backbone's factory (called once, under ``torch.manual_seed(seed)``).
@@ -66,12 +79,42 @@ class TinyModule(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # (N, 3, H, W) -> (N, classes)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: Any) -> torch.Tensor:
         x, y = batch
-        return nn.functional.cross_entropy(self(x), y)
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ManualModule(TinyModule):
+    """:class:`TinyModule` under manual optimization with two SGD optimizers (the first half of
+    the parameters, the rest), each stepping once per batch: ``trainer.global_step`` advances
+    by 2 per batch. Pass ``steps=2 * batches`` to :func:`fit`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizers = self.optimizers()
+        for opt in optimizers:
+            opt.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        params = list(self.parameters())
+        half = len(params) // 2
+        return [torch.optim.SGD(params[:half], lr=self.lr), torch.optim.SGD(params[half:], lr=self.lr)]
 
 
 def fit(
@@ -82,11 +125,14 @@ def fit(
     logger: Any = False,
     data: Optional[TensorDataset] = None,
     batch_size: int = 8,
+    sampler: Optional[Sampler] = None,
     ckpt_path: Optional[str] = None,
     **trainer_kw: Any,
 ) -> tuple[pl.Trainer, pl.LightningModule]:
     """Fit ``module`` (a LightningModule, or a backbone factory wrapped in :class:`TinyModule`)
-    for ``steps`` optimizer steps on the CPU, quietly; returns ``(trainer, module)``."""
+    for ``steps`` optimizer steps on the CPU, quietly; returns ``(trainer, module)``.
+
+    The loader takes ``data`` (default :func:`image_data`) in order, or as ``sampler`` says."""
     if module is None or not isinstance(module, pl.LightningModule):
         module = TinyModule(module or conv_net)
     trainer_kw.setdefault("accelerator", "cpu")
@@ -96,6 +142,6 @@ def fit(
         max_steps=steps, logger=logger, callbacks=list(callbacks), enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **trainer_kw,
     )
-    loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size)
+    loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, module

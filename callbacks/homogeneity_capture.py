@@ -1,0 +1,180 @@
+"""One logging step's capture for ``GradientHomogeneityMonitor``: its hooks and what they collect.
+
+A :class:`Capture` exists only while a logging step runs. Opening it registers a forward
+pre-hook on each monitored norm layer; :meth:`Capture.close` is the one place that removes
+them. During backward the tensor hooks add each layer's :class:`~lightning_mrs.stats.PhasorSums`
+under the layer's name; :meth:`Capture.reduced` sums them over ranks with one collective.
+:func:`apply_flat` runs one operation (that collective, the step's device-to-host copy) on
+many named tensors at once and hands them back by name.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_mrs.swap.registry import norm_spec
+    >>> ln = nn.LayerNorm(4)
+    >>> capture = Capture([MonitoredLayer("ln", ln, norm_spec(ln))], step=0, device=torch.device("cpu"))
+    >>> ln(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    >>> capture.close()
+    >>> capture.sums["ln"].count.item()
+    3.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Hashable, Mapping, Optional, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mrs.stats import PhasorSums, phasor_sums, weight_grad_stats
+from lightning_mrs.swap.registry import NormSpec
+
+__all__ = ["Capture", "MonitoredLayer", "apply_flat"]
+
+Warn = Callable[[str, str], None]  # (once-key, message)
+K = TypeVar("K", bound=Hashable)
+
+
+def apply_flat(named: Mapping[K, Tensor], fn: Callable[[Tensor], Tensor], dtype: Optional[torch.dtype] = None) -> dict[K, Tensor]:
+    """Run ``fn`` once on every tensor of ``named``, concatenated, and hand them back by name.
+
+    One collective (``fn = strategy.reduce``) or one device-to-host copy (``fn = Tensor.cpu``)
+    serves any number of named tensors; only this function knows where each one lies in the
+    flat vector.
+
+    Args:
+        named: name -> tensor, any shapes, all on one device.
+        fn: an element-wise-preserving map of a flat vector (same length out).
+        dtype: the dtype of the flat vector (default: the first tensor's).
+
+    Returns:
+        name -> ``fn``'s output for that tensor, in its original shape.
+
+    Example:
+        >>> out = apply_flat({"a": torch.ones(2), "b": torch.tensor(3.0)}, lambda t: t * 2)
+        >>> out["a"].tolist(), out["b"].item()
+        ([2.0, 2.0], 6.0)
+    """
+    values = list(named.values())
+    if not values:
+        return {}
+    dtype = dtype or values[0].dtype
+    flat = fn(torch.cat([v.reshape(-1).to(dtype) for v in values]))  # (sum of numels,)
+    parts = flat.split([v.numel() for v in values])
+    return {key: part.reshape(v.shape) for (key, v), part in zip(named.items(), parts)}
+
+
+@dataclass
+class MonitoredLayer:
+    """A norm layer under watch: its qualified name, the module and its registry spec."""
+
+    name: str
+    module: nn.Module
+    spec: NormSpec
+
+    @property
+    def num_phasors(self) -> int:
+        return self.spec.num_channels // 2
+
+
+def _no_warning(key: str, message: str) -> None:
+    pass
+
+
+class Capture:
+    """Hooks on ``layers`` for logging step ``step``, and the per-layer sums they collected.
+
+    Args:
+        layers: the layers to watch (names unique).
+        step: the logging step the figures will be logged at.
+        device: where the sums accumulate (the module's device).
+        warn: ``warn(key, message)`` for problems met in a hook (a statistic never breaks
+            training); ``key`` lets the caller warn once per key.
+
+    Attributes:
+        sums: layer name -> the sums so far (micro-batches and backward passes add up).
+        weights: MRS layer name -> :func:`lightning_mrs.stats.weight_grad_stats` of its weight
+            gradient at the first optimizer step that owns the weight.
+        scale: the GradScaler scale the backward ran with (``None`` without a scaler).
+        stepped: an optimizer step happened since the capture opened.
+    """
+
+    def __init__(self, layers: list[MonitoredLayer], step: int, device: torch.device, warn: Warn = _no_warning) -> None:
+        self.layers = layers
+        self.step = step
+        self._warn = warn
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        self.sums: dict[str, PhasorSums] = {
+            layer.name: PhasorSums.zeros(layer.num_phasors, dtype=dtype, device=device) for layer in layers
+        }
+        self.weights: dict[str, dict[str, Tensor]] = {}
+        self.scale: Optional[float] = None
+        self.stepped = False
+        self._open = True
+        self._handles = [layer.module.register_forward_pre_hook(partial(self._pre_hook, layer)) for layer in layers]
+
+    def close(self) -> None:
+        """Remove every hook; gradients that still arrive are ignored. Idempotent."""
+        self._open = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre_hook(self, layer: MonitoredLayer, module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
+        if not args or not torch.is_grad_enabled():
+            return None
+        x = args[0]
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return None
+        # a trainable norm on a tensor nothing else differentiates (e.g. the raw input) still
+        # has an input gradient: ask autograd for it; a frozen one is not worth a backward
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if not x.requires_grad and not trainable:
+            return None
+        cd = layer.spec.channel_dim
+        if x.ndim == 0 or not -x.ndim <= cd < x.ndim or x.shape[cd] != layer.spec.num_channels:
+            self._warn(
+                f"shape:{layer.name}",
+                f"GradientHomogeneityMonitor: layer {layer.name!r} ({type(module).__name__}) got an input of shape "
+                f"{tuple(x.shape)} without {layer.spec.num_channels} channels on dim {cd}; it is not monitored. "
+                "Register its layout with lightning_mrs.register_norm(...) if the registry guessed wrong.",
+            )
+            return None
+        # a node of its own: its gradient is the one through this layer only (no full backward
+        # hooks: those break on in-place activations)
+        alias = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
+        alias.register_hook(partial(self._grad_hook, layer, x.detach()))
+        return (alias, *args[1:])
+
+    def _grad_hook(self, layer: MonitoredLayer, x: Tensor, grad: Tensor) -> None:
+        if not self._open:  # closed before backward reached this layer
+            return
+        try:
+            total = self.sums[layer.name]
+            self.sums[layer.name] = total + phasor_sums(x, grad, layer.spec.channel_dim).to(total.count)
+        except Exception as err:  # noqa: BLE001 - a statistic must never break training
+            self._warn(f"hook:{layer.name}", f"GradientHomogeneityMonitor: layer {layer.name!r}: {err}")
+
+    def record_weights(self, optimizer: Any) -> None:
+        """Weight-gradient figures of the MRS layers whose weight ``optimizer`` is about to step.
+
+        Called before each optimizer step; a layer keeps its first record (with several
+        optimizers, each layer's weight is read before the step of the one that owns it).
+        Parameter gradients are already unscaled here (Lightning unscales before the hook).
+        """
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for layer in self.layers:
+            weight = getattr(layer.module, "weight", None)
+            if (
+                layer.spec.kind == "mrs" and layer.name not in self.weights and isinstance(weight, Tensor)
+                and weight.grad is not None and id(weight) in owned
+            ):
+                self.weights[layer.name] = weight_grad_stats(weight.grad)
+
+    def reduced(self, reduce: Callable[[Tensor], Tensor]) -> dict[str, PhasorSums]:
+        """The sums after ``reduce`` (e.g. a sum over ranks), applied once to all of them."""
+        named = {(name, field): t for name, sums in self.sums.items() for field, t in sums.as_dict().items()}
+        out = apply_flat(named, reduce)
+        return {name: PhasorSums(**{f: out[(name, f)] for f in PhasorSums.names()}) for name in self.sums}
