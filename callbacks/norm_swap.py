@@ -80,6 +80,7 @@ class NormSwap(Callback):
         self.verbose = verbose
         self.report: Optional[SwapReport] = None
         self._layers: dict[str, LayerRecord] = {}  # what the swap built: the checkpoint record
+        self._present: set[str] = set()
         self._handle: Optional[RemovableHandle] = None
         self._unchecked = False  # a setup whose late-built layers are still to be looked for
 
@@ -95,6 +96,7 @@ class NormSwap(Callback):
         report = swap_norms(pl_module, self.options)
         self.report = report if self.report is None else self.report.merge(report)
         self._layers = describe_layers(pl_module, self.options.target)
+        self._present = {name for name, _, _ in iter_norm_layers(pl_module)}  # every norm the swap saw or built
         self._unchecked = True
         if self.verbose:
             when = f"NormSwap (setup, stage={getattr(stage, 'value', stage)})"
@@ -140,9 +142,8 @@ class NormSwap(Callback):
             self._refuse_late_layers(pl_module)
 
     def _refuse_late_layers(self, pl_module: nn.Module) -> None:
-        report = self.report
-        seen = set(self._layers) | (set(report.skipped) | set(report.unchanged) if report is not None else set())
-        late = [name for name, _, spec in iter_norm_layers(pl_module) if spec.unsupported is None and name not in seen]
+        late = [name for name, _, spec in iter_norm_layers(pl_module)
+                if spec.unsupported is None and name not in self._present]
         if late:
             raise MisconfigurationException(
                 f"NormSwap: norm layers {late[:_SHOWN]}{'...' if len(late) > _SHOWN else ''} appeared after the swap, "
