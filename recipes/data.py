@@ -45,7 +45,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import override
 
-from recipes.datasets import FolderLayout, TensorImages, digits_images, scan_folder, stratified_split
+from recipes.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
+                              scan_folder, stratified_split)
 from recipes.errors import UsageError
 from recipes.synthetic import SyntheticCIFAR100
 
@@ -60,6 +61,7 @@ _STATS = {
     "folder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's, for natural photos
 }
 _DOWNLOAD_TIMEOUT_S = 60.0
+_VERIFIED_ROOTS: set[str] = set()  # CIFAR-100 roots checked in this process (the check reads 160 MB)
 
 
 class DatasetUnavailableError(UsageError):
@@ -150,6 +152,8 @@ class ImageDataModule(pl.LightningDataModule):
         self.synthetic_seed = synthetic_seed
         # the folder is checked now: its class count sizes the model head before anything runs
         self.layout: Optional[FolderLayout] = scan_folder(root) if dataset == "folder" else None
+        if dataset == "digits":
+            require_sklearn_digits()  # fail now, before the model and trainer are built
         self.classes: list[str] = (
             list(self.layout.classes) if self.layout else [str(i) for i in range(10)] if dataset == "digits"
             else [f"class_{i:03d}" for i in range(100)]
@@ -158,7 +162,6 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))
-        self._prepared = False
 
     # ------------------------------------------------------------------ data on disk
     def _missing_message(self, reason: str) -> str:
@@ -177,7 +180,8 @@ class ImageDataModule(pl.LightningDataModule):
         Raises:
             DatasetUnavailableError: the files are missing or corrupt and could not be downloaded.
         """
-        if self.dataset != "cifar100" or self._prepared:
+        root = os.path.abspath(self.root)
+        if self.dataset != "cifar100" or root in _VERIFIED_ROOTS:
             return
         from torchvision.datasets import CIFAR100
 
@@ -194,7 +198,7 @@ class ImageDataModule(pl.LightningDataModule):
             raise DatasetUnavailableError(self._missing_message(reason)) from None
         finally:
             socket.setdefaulttimeout(previous)
-        self._prepared = True
+        _VERIFIED_ROOTS.add(root)
 
     # ------------------------------------------------------------------ datasets
     def _transforms(self, train: bool) -> Callable:
@@ -232,13 +236,11 @@ class ImageDataModule(pl.LightningDataModule):
             self._stats = ((pixels.mean().item(),) * 3, (pixels.std().item(),) * 3)
             return TensorImages(images, labels, train_idx), TensorImages(images, labels, val_idx)
         if self.dataset == "folder":
-            from torchvision.datasets import ImageFolder
-
             layout = self.layout
             assert layout is not None  # set in __init__ for folder
             if layout.val_dir is not None:
-                return ImageFolder(layout.train_dir), ImageFolder(layout.val_dir)
-            full = ImageFolder(layout.train_dir)
+                return image_folder(layout.train_dir, layout.classes), image_folder(layout.val_dir, layout.classes)
+            full = image_folder(layout.train_dir, layout.classes)
             train_idx, val_idx = stratified_split(full.targets, self.val_fraction, self.split_seed)
             return Subset(full, train_idx), Subset(full, val_idx)
         from torchvision.datasets import CIFAR100
