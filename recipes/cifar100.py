@@ -18,6 +18,12 @@ stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
 (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
 DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
 (``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``.
+``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
+samples whose label is among the top k logits, as papers report them. The data
+(:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
+
+A user mistake (an unknown ``--model.arch``, a bad option value, a malformed image folder,
+CIFAR-100 missing offline, ...) is one ``error: ...`` line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -43,7 +49,6 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -75,7 +80,7 @@ class CifarClassifier(pl.LightningModule):
         weight_decay: SGD weight decay (on every parameter, as in the usual CIFAR recipe).
         warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
         schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
-        num_classes: classifier outputs.
+        num_classes: classifier outputs (the recipe sets it from ``--data.dataset``: ``data.num_classes``).
         cifar_stem: the CIFAR stem for ResNets (3x3 stride-1 conv, no max-pool).
         label_smoothing: cross-entropy label smoothing.
         arch_kwargs: extra keyword arguments of the model builder (see :func:`build_model`).

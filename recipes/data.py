@@ -86,7 +86,10 @@ class ImageDataModule(pl.LightningDataModule):
     """CIFAR-100, digits, an image folder or synthetic data, with standard augmentation.
 
     Args:
-        dataset: ``cifar100``, ``digits``, ``folder`` or ``synthetic`` (see the module docstring).
+        dataset: ``cifar100`` (downloaded into ``root``), ``digits`` (scikit-learn's bundled
+            handwritten digits, offline), ``folder`` (your images: ``root/train/<class>/*`` and
+            ``root/val/<class>/*``, or ``root/<class>/*`` split by ``val_fraction``) or
+            ``synthetic`` (a generated CIFAR-100-shaped stand-in, for tests).
         root: ``cifar100``: the directory holding (or receiving) ``cifar-100-python``;
             ``folder``: the image folder.
         batch_size: samples per device and step; the global batch is this times the number
@@ -95,8 +98,10 @@ class ImageDataModule(pl.LightningDataModule):
         val_fraction: share of each class held out for validation (digits; a folder without
             ``train/``/``val/``).
         split_seed: seed of that split (same seed, same split everywhere).
-        augment: training augmentation (see the module docstring); off: train images are
-            prepared like the validation ones.
+        augment: training augmentation: random crop (padding ``image_size // 8``) and
+            horizontal flip for cifar100/synthetic, the same crop only (small translations) for
+            digits, random resized crop and flip for folder; off: training images are prepared
+            like the validation ones.
         num_workers: DataLoader worker processes per device; ``None``: 0 on the CPU (the model
             needs the cores), else ``min(8, cpus // local processes)``.
         auto_augment: add torchvision's AutoAugment (CIFAR-10 policy) to the augmentation.
@@ -255,6 +260,9 @@ class ImageDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         train, val = self._datasets()
+        if len(train) < self.batch_size:  # type: ignore[arg-type]
+            raise UsageError(f"--data.batch_size {self.batch_size} is larger than the {len(train)} training images "
+                             f"of --data.dataset {self.dataset}: lower it (the last partial batch is dropped).")
         self.train_set = _Transformed(train, self._transforms(train=True))
         self.val_set = _Transformed(val, self._transforms(train=False))
 

@@ -16,6 +16,7 @@ from torch import nn
 from helpers import ROOT
 SCRIPT = ROOT / "recipes" / "cifar100.py"
 from recipes.cifar100 import CifarClassifier, build_model, default_precision
+from recipes.errors import UsageError
 
 # Small and fast on the CPU; the real default is resnet18.
 FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "synthetic",
@@ -168,6 +169,41 @@ def test_mistakes_are_one_line(args: list[str], needle: str, tmp_path: Path,
     line = recipe_error(["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset",
                          "digits", "--trainer.default_root_dir", str(tmp_path), *args])
     assert needle in line
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "timm:resnet18", "timm:resnet10t"])
+def test_cifar_stem_keeps_resolution(arch: str) -> None:
+    model = build_model(arch, num_classes=100)
+    assert isinstance(model.maxpool, nn.Identity)
+    first = next(m for m in model.conv1.modules() if isinstance(m, nn.Conv2d))
+    assert first.stride == (1, 1)
+    seen = {}
+
+    def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["layer1"] = output.shape  # (N, C, H, W)
+
+    model.layer1.register_forward_hook(record)
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+    assert seen["layer1"][-2:] == (32, 32)  # an ImageNet stem would give 8x8
+
+
+def test_imagenet_stem_kept_on_request_and_non_resnets_untouched() -> None:
+    model = build_model("resnet18", num_classes=10, cifar_stem=False)
+    assert model.conv1.stride == (2, 2) and isinstance(model.maxpool, nn.MaxPool2d)
+    vit = build_model("timm:test_vit", num_classes=7)
+    assert vit(torch.randn(1, 3, 160, 160)).shape == (1, 7)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"norm": "group"}, "--model.norm"), ({"schedule": "step"}, "--model.schedule"),
+     ({"warmup_frac": 1.0}, "--model.warmup_frac"), ({"lr": 0.0}, "--model.lr"),
+     ({"mrs_backend": "cuda"}, "--model.mrs_backend"), ({"arch": "no_such_model_xyz"}, "--model.arch")],
+)
+def test_bad_options_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        CifarClassifier(**{"arch": "timm:test_resnet", **kwargs})
 
 
 class _FixedLogits(nn.Module):

@@ -109,7 +109,8 @@ def test_digits_augmentation_translates_only() -> None:
     dm = ImageDataModule(dataset="digits", batch_size=8, image_size=size, augment=True)
     dm.setup("fit")
     base, raw = dm.train_set.base, dm.train_set.base.images  # raw: (1797, 3, S, S) uint8
-    (mean,), (std,) = dm._stats[0][:1], dm._stats[1][:1]
+    pixels = raw[base.indices].double() / 255  # the training split, 0..1
+    mean, std = pixels.mean().item(), pixels.std().item()  # its normalisation, computed here
     pad = size // 8
     torch.manual_seed(0)
     shifted = 0
@@ -130,6 +131,28 @@ def test_no_flip_for_digits_but_flip_for_the_others() -> None:
     assert "RandomHorizontalFlip" not in names(ImageDataModule(dataset="digits"))
     assert "RandomHorizontalFlip" in names(ImageDataModule(dataset="synthetic"))
     assert names(ImageDataModule(dataset="digits", augment=False)) == ["ToImage", "ToDtype", "Normalize"]
+
+
+@pytest.mark.parametrize("dataset", ["cifar100", "digits", "synthetic"])
+def test_image_size_applies_to_every_dataset(dataset: str) -> None:
+    dm = ImageDataModule(dataset=dataset, image_size=16, batch_size=4, synthetic_train_size=8, synthetic_val_size=8)
+    if dataset == "cifar100":  # offline: its transforms on a CIFAR-sized PIL image
+        from PIL import Image
+
+        image = Image.new("RGB", (32, 32), (10, 20, 30))
+        shapes = {tuple(dm._transforms(train=t)(image).shape) for t in (True, False)}
+    else:
+        dm.setup("fit")
+        shapes = {tuple(dm.train_set[0][0].shape), tuple(dm.val_set[0][0].shape)}
+    assert shapes == {(3, 16, 16)}
+
+
+def test_batch_larger_than_the_data_is_named(tmp_path: Path) -> None:
+    for c in range(2):
+        _write_images(tmp_path / f"c{c}", 3)
+    dm = ImageDataModule(dataset="folder", root=str(tmp_path), batch_size=8, val_fraction=0.34)
+    with pytest.raises(UsageError, match="--data.batch_size 8 is larger than the 4 training images"):
+        dm.setup("fit")
 
 
 def test_sklearn_missing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,12 +183,14 @@ def test_folder_train_val_layout(tmp_path: Path, offline: None) -> None:
 def test_folder_single_directory_is_split(tmp_path: Path) -> None:
     for c in range(3):
         _write_images(tmp_path / f"c{c}", 5)
-    dm = ImageDataModule(dataset="folder", root=str(tmp_path), val_fraction=0.4, split_seed=7, image_size=8)
+    dm = ImageDataModule(dataset="folder", root=str(tmp_path), val_fraction=0.4, split_seed=7, image_size=8,
+                         batch_size=2)
     assert dm.num_classes == 3
     dm.setup("fit")
     val_labels = [dm.val_set[i][1] for i in range(len(dm.val_set))]
     assert sorted(val_labels) == [0, 0, 1, 1, 2, 2]  # two of each class's five images
-    again = ImageDataModule(dataset="folder", root=str(tmp_path), val_fraction=0.4, split_seed=7, image_size=8)
+    again = ImageDataModule(dataset="folder", root=str(tmp_path), val_fraction=0.4, split_seed=7, image_size=8,
+                            batch_size=2)
     again.setup("fit")
     assert again.val_set.base.indices == dm.val_set.base.indices
 
