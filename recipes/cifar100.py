@@ -2,11 +2,11 @@
 
 Run from the repository root (no subcommand: the script fits, validating every epoch):
 
-    # offline demo on a CPU (synthetic data, a tiny timm ResNet, about a minute)
+    # offline demo on a CPU (scikit-learn's handwritten digits, a tiny timm ResNet, about a minute)
     python recipes/cifar100.py --config recipes/configs/demo_cpu.yaml
     # the real job: ResNet-18 with MRSNorm on CIFAR-100, 200 epochs, all GPUs of the box
     python recipes/cifar100.py --config recipes/configs/cifar100_resnet18.yaml --trainer.devices 4
-    # any flag: --model.arch/norm/lr, --data.dataset/root/batch_size, --trainer.* ...
+    # any flag: --model.arch/norm/lr, --data.dataset (cifar100, digits, folder, synthetic)/root/batch_size ...
     python recipes/cifar100.py --help
 
 Multi-node: launch one process per GPU with ``torchrun --nnodes N --nproc-per-node G
@@ -33,7 +33,6 @@ if __name__ == "__main__":  # `python recipes/cifar100.py`: run this file as the
 
 import math
 import os
-import sys
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -49,77 +48,13 @@ from typing_extensions import override
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from lightning_mrs.ops import BACKENDS
-from recipes.cifar_data import CifarDataModule, DatasetUnavailableError
+from recipes.data import ImageDataModule
+from recipes.errors import UsageError, report
+from recipes.models import build_model
 
-__all__ = ["CifarClassifier", "CifarDataModule", "ValidateAtEnd", "build_model", "main", "run"]
+__all__ = ["CifarClassifier", "ImageDataModule", "ValidateAtEnd", "build_model", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
-
-
-def build_model(
-    arch: str,
-    num_classes: int = 100,
-    cifar_stem: bool = True,
-    arch_kwargs: Optional[dict[str, Any]] = None,
-) -> nn.Module:
-    """Build a randomly initialised torchvision or timm classifier.
-
-    Args:
-        arch: a torchvision model name (``torchvision.models.list_models()``) or a timm one
-            (``timm.list_models()``); force the source with ``tv:NAME`` or ``timm:NAME``.
-            A name known to both is taken from torchvision.
-        num_classes: size of the classifier head.
-        cifar_stem: give ResNets (torchvision or timm, any depth) the usual CIFAR stem: a 3x3
-            stride-1 first convolution and no max-pool, so 32x32 inputs keep their resolution.
-        arch_kwargs: extra keyword arguments of the model builder (``timm.create_model`` or
-            ``torchvision.models.get_model``), e.g. ``{"layers": [1, 1, 1, 1]}`` for a
-            shallower timm ResNet.
-
-    Returns:
-        The model (``pretrained=False``/``weights=None``: nothing is downloaded).
-
-    Example:
-        >>> model = build_model("resnet18", num_classes=100)
-        >>> model.conv1.kernel_size, type(model.maxpool).__name__
-        ((3, 3), 'Identity')
-    """
-    import timm
-    import torchvision
-
-    kwargs = dict(arch_kwargs or {})
-    source, _, name = arch.rpartition(":")
-    if source not in ("", "tv", "timm"):
-        raise ValueError(f"--model.arch {arch!r}: the prefix must be 'tv:' or 'timm:', got {source!r}.")
-    tv_names = set(torchvision.models.list_models(module=torchvision.models))
-    if source == "tv" or (source == "" and name in tv_names):
-        if name not in tv_names:
-            raise ValueError(f"--model.arch {arch!r}: not a torchvision classification model.")
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
-    else:
-        if not timm.is_model(name):
-            raise ValueError(
-                f"--model.arch {arch!r}: neither a torchvision classification model nor a timm model "
-                "(see torchvision.models.list_models() and timm.list_models())."
-            )
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
-    if cifar_stem:
-        _cifar_stem(model)
-    return model
-
-
-def _cifar_stem(model: nn.Module) -> None:
-    """Turn an ImageNet ResNet stem (stride-2 7x7 conv + max-pool) into the CIFAR one."""
-    conv1, maxpool = getattr(model, "conv1", None), getattr(model, "maxpool", None)
-    if conv1 is None or not isinstance(maxpool, nn.MaxPool2d):
-        return  # not a ResNet-style stem (ViT, ConvNeXt, ...): leave the model as it is
-    if isinstance(conv1, nn.Conv2d):
-        model.conv1 = nn.Conv2d(conv1.in_channels, conv1.out_channels, 3, 1, 1, bias=conv1.bias is not None)
-    else:  # timm's deep stems (resnet*d, *t): keep the convs, drop the first stride
-        for m in conv1.modules():
-            if isinstance(m, nn.Conv2d) and m.stride != (1, 1):
-                m.stride = (1, 1)
-                break
-    model.maxpool = nn.Identity()
 
 
 class CifarClassifier(pl.LightningModule):
@@ -170,15 +105,15 @@ class CifarClassifier(pl.LightningModule):
     ) -> None:
         super().__init__()
         if norm not in NORMS:
-            raise ValueError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
+            raise UsageError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
         if schedule not in ("cosine", "constant"):
-            raise ValueError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
+            raise UsageError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
         if not 0.0 <= warmup_frac < 1.0:
-            raise ValueError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
+            raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
         if mrs_backend not in BACKENDS:
-            raise ValueError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
+            raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
         if lr <= 0:
-            raise ValueError(f"--model.lr must be > 0, got {lr}.")
+            raise UsageError(f"--model.lr must be > 0, got {lr}.")
         self.save_hyperparameters()
         self.model = build_model(arch, num_classes, cifar_stem, arch_kwargs)
         self.swap_report = None
@@ -188,9 +123,11 @@ class CifarClassifier(pl.LightningModule):
         for module in self.model.modules():
             if isinstance(module, (MRSNorm, MRSNorm2d)):
                 module.backend = mrs_backend
-        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
+        # micro: the plain share of correct samples that papers report (torchmetrics' default
+        # "macro" averages per-class accuracies, and counts classes absent from the batch as 0)
+        self.train_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)  # (N, 3, H, W) -> (N, num_classes)
@@ -286,6 +223,8 @@ class CifarCLI(LightningCLI):
             "checkpoint.filename": "best-epoch{epoch:03d}-step{step:06d}-top1_{val/top1:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
+        # the head matches the data: 100 (cifar100, synthetic), 10 (digits), the folder's classes
+        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.add_lightning_class_args(GradientHomogeneityMonitor, "monitor")
         parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                             help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
@@ -301,7 +240,7 @@ def main(args: Optional[list[str]] = None) -> None:
     """Parse the command line, check the data, and fit."""
     cli = CifarCLI(
         CifarClassifier,
-        CifarDataModule,
+        ImageDataModule,
         run=False,
         args=args,
         seed_everything_default=0,
@@ -321,10 +260,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors as one line on stderr and exit status 2."""
+    """:func:`main` with user errors (:class:`recipes.errors.UsageError`) as one stderr line, exit 2."""
     try:
         main(args)
-    except DatasetUnavailableError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except UsageError as err:
+        return report(err)
     return 0

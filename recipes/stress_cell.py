@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
-from recipes.cifar_data import CifarDataModule, DatasetUnavailableError
+from recipes.data import ImageDataModule as CifarDataModule, DatasetUnavailableError
 
 __all__ = ["DivergenceStop", "MemoryLogger", "check_data", "run_cell"]
 

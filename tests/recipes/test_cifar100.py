@@ -104,7 +104,7 @@ def test_missing_cifar100_fails_cleanly(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in out
     assert "CIFAR-100 is not available" in proc.stderr
-    assert str(empty) in proc.stderr and "--data.root" in proc.stderr and "--data.dataset synthetic" in proc.stderr
+    assert str(empty) in proc.stderr and "--data.root" in proc.stderr and "--data.dataset digits" in proc.stderr
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "timm:resnet18", "timm:resnet10t"])
