@@ -66,7 +66,7 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
         ks = {chance(r) for r in rows if math.isfinite(chance(r))}
         for c in ks:
             ax.axhline(100 * c, color="k", ls=":", lw=1)
-            ax.text(all_lrs[0], 100 * c + 1, "chance", fontsize=8, va="bottom")
+            ax.text(all_lrs[-1], 100 * c + 1, "chance", fontsize=8, va="bottom", ha="right")
         ax.set_xscale("log")
         ax.set_xticks(all_lrs, [f"{lr:g}" for lr in all_lrs], fontsize=8)
         ax.minorticks_off()
@@ -79,8 +79,8 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
     handles += [plt.Line2D([], [], color="red", marker="x", ls="", mew=2),
                 plt.Rectangle((0, 0), 1, 1, color="0.93")]
     labels += ["a seed diverged (= chance)", "paper's lrs"]
-    axes[0][-1].legend(handles, labels, fontsize=8, loc="lower left")
     fig.suptitle(f"Final top-1 vs learning rate: mean over {len(seeds)} seed(s), band = min-max", fontsize=10)
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=len(handles), frameon=False)
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)

@@ -84,10 +84,10 @@ def _axes(rows: list[dict[str, Any]]) -> list[str]:
 def _cost(rows: list[dict[str, Any]]) -> list[str]:
     wall = [r["wall_s"] for r in rows if r.get("wall_s") is not None]
     cpu = [r["cpu_s"] for r in rows if r.get("cpu_s") is not None]
-    if not wall:
+    if not wall or not cpu:
         return []
-    line = f"- cost: {sum(wall) / 60:.1f} min of wall time in all, {statistics.fmean(wall):.1f} s per cell"
-    return [line + (f" ({statistics.fmean(cpu):.1f} s of process CPU time per cell)" if cpu else "")]
+    return [f"- cost per cell: {statistics.fmean(wall):.1f} s wall, {statistics.fmean(cpu):.1f} s of process CPU time "
+            f"(all cells: {sum(cpu) / 60:.1f} CPU minutes; --jobs runs several at once)"]
 
 
 def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -150,8 +150,8 @@ def _markdown(rows: list[dict[str, Any]], settings: dict[str, Any], commands: li
     return "\n".join(lines)
 
 
-def write_outputs(out: Path, settings: dict[str, Any], command: str) -> list[dict[str, Any]]:
-    """Rebuild ``results.csv``, ``robustness.csv``, ``results.md`` and ``results.png`` from the finished cells."""
+def write_outputs(out: Path, settings: dict[str, Any], command: str, figure: bool = True) -> list[dict[str, Any]]:
+    """Rebuild ``results.csv``, ``robustness.csv``, ``results.md`` and (``figure``: when stale) ``results.png``."""
     from recipes.stress_summary import robustness, robustness_csv
 
     records = load_records(out)
@@ -163,8 +163,8 @@ def write_outputs(out: Path, settings: dict[str, Any], command: str) -> list[dic
     write_atomic(out / "results.md", _markdown(rows, settings, commands or [command], summaries))
     png = out / "results.png"
     newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
-    if rows and (not png.exists() or png.stat().st_mtime < newest):
-        from recipes.stress_figure import figure
+    if figure and rows and (not png.exists() or png.stat().st_mtime < newest):
+        from recipes.stress_figure import figure as draw
 
-        figure(rows, png)
+        draw(rows, png)
     return records
