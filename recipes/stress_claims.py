@@ -94,7 +94,7 @@ def _values(rows: list[dict[str, Any]], norm: str, lr: float, bs: int, get: Call
         return [], f"too few seeds: {where} has n={len(cells)} (needs {MIN_SEEDS})"
     values = [v for v in map(get, cells) if v is not None and math.isfinite(v)]
     if len(values) < MIN_SEEDS:
-        return values, f"too few finite values: {where}, {len(values)} of {len(cells)} seeds"
+        return values, f"too few usable values: {where}, {len(values)} of {len(cells)} seeds"
     return values, None
 
 
@@ -149,8 +149,7 @@ def _claim1(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
 
 
 def _claim2(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
-    c = _chance(rows)
-    line = c + COLLAPSE_FRACTION * (1 - c)
+    line = _collapse_line(rows)
     acc = lambda n, lr, bs: (n, _values(rows, n, lr, bs, accuracy))  # noqa: E731
     high = [(lr, bs) for lr in PAPER_LRS if lr >= 0.3 for bs in PAPER_BATCH_SIZES]
     collapse = [_single(f"lr {lr:g}, batch {bs}: {b}", acc(b, lr, bs), "below", line, "%")
@@ -199,20 +198,31 @@ def _claim4(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
     return [("no accuracy cost against RMSNorm (final top-1 at each norm's best swept lr)", parts)]
 
 
+def _collapse_line(rows: list[dict[str, Any]]) -> float:
+    c = _chance(rows)
+    return c + COLLAPSE_FRACTION * (1 - c)
+
+
 def _mechanism(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
-    cv = lambda n, lr, bs: (n, _values(rows, n, lr, bs, lambda r: r.get("mean_grad_cv")))  # noqa: E731
+    line = _collapse_line(rows)
+
+    def grad_cv(r: dict[str, Any]) -> Optional[float]:
+        # a diverged or collapsed run's gradients can vanish: its grad_cv (0 for all-zero
+        # gradients, by the monitor's 0/0 convention) says nothing about a norm in training
+        return r.get("mean_grad_cv") if accuracy(r) > line else None
+
     parts = []
     for lr in PAPER_LRS:
         for bs in PAPER_BATCH_SIZES:
             for b in BASELINES:
-                a, base = cv("mrs", lr, bs), cv(b, lr, bs)
-                # enough seeds ran but too few logged a finite grad_cv (they diverged first): not measurable
+                a, base = ("mrs", _values(rows, "mrs", lr, bs, grad_cv)), (b, _values(rows, b, lr, bs, grad_cv))
+                # enough seeds ran but too few trained (they diverged or collapsed): not measurable
                 whys = [why or "" for _, (_, why) in (a, base)]
-                unmeasurable = any(w.startswith("too few finite") for w in whys) and not any(
+                unmeasurable = any(w.startswith("too few usable") for w in whys) and not any(
                     w.startswith(("missing", "too few seeds")) for w in whys)
                 parts.append(_welch(f"lr {lr:g}, batch {bs}: mrs - {b}", a, base, "below", 0.0, unit="",
                                     optional=unmeasurable))
-    return [("mean grad_cv lower under MRSNorm (same lr and batch size)", parts)]
+    return [("mean grad_cv lower under MRSNorm (same lr and batch size, seeds that trained)", parts)]
 
 
 def claims(rows: list[dict[str, Any]]) -> list[Claim]:

@@ -60,9 +60,12 @@ TEXT: dict[str, tuple[str, str, str]] = {
           "Under MRSNorm every phasor receives a gradient of comparable size, so the spread of per-phasor gradient "
           "norms (grad_cv) should be lower than under RMSNorm and LayerNorm in the same training run.",
           "In each cell of the paper's grid (lr 0.1, 0.3, 0.4 x batch 32, 64, 128): the per-seed mean of "
-          "`phasor/all/grad_cv` over the run's logged steps, MRSNorm minus each baseline, Welch interval below 0. "
-          f"A comparison where a norm ran at least {MIN_SEEDS} seeds but fewer than {MIN_SEEDS} logged a finite "
-          "grad_cv (they diverged before the monitor logged) cannot be measured: it is listed and left out of the "
+          "`phasor/all/grad_cv` over the run's logged steps, MRSNorm minus each baseline, Welch interval below 0, "
+          "over the seeds that trained: a seed that diverged or collapsed (final top-1 under claim 2's collapse "
+          "line) is left out, for every norm alike, because a dead network's gradients can vanish, and its "
+          "grad_cv then reads 0 ('perfectly even') by the monitor's 0/0 convention. A "
+          f"comparison where a norm ran at least {MIN_SEEDS} seeds but fewer than {MIN_SEEDS} trained cannot be "
+          "measured: it is listed and left out of the "
           "combination. A missing cell counts as inconclusive."),
 }
 

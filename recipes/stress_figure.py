@@ -13,21 +13,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from recipes.stress_rows import accuracy, chance, same_lr, select
+from recipes.stress_rows import accuracy, chance, distinct_lrs, select
 
 __all__ = ["NORM_COLOURS", "figure"]
 
 NORM_COLOURS = {"layer": "tab:blue", "rms": "tab:orange", "mrs": "tab:green", "batch": "tab:gray"}
 _NORM_ORDER = ("layer", "rms", "mrs", "batch")
 _PAPER_SPAN = (0.1, 0.4)
-
-
-def _distinct(values: list[float]) -> list[float]:
-    out: list[float] = []
-    for v in sorted(values):
-        if not out or not same_lr(out[-1], v):
-            out.append(v)
-    return out
 
 
 def figure(rows: list[dict[str, Any]], path: Path) -> None:
@@ -39,7 +31,7 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
 
     sizes = sorted({r["batch_size"] for r in rows})
     norms = sorted({r["norm"] for r in rows}, key=lambda n: (_NORM_ORDER.index(n) if n in _NORM_ORDER else 9, n))
-    all_lrs = _distinct([r["lr"] for r in rows])
+    all_lrs = distinct_lrs(rows)
     seeds = sorted({r["seed"] for r in rows})
     fig, axes = plt.subplots(1, len(sizes), figsize=(0.8 + 3.9 * len(sizes), 3.9), sharey=True, squeeze=False,
                              constrained_layout=True)

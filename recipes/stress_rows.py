@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["CSV_COLUMNS", "accuracy", "chance", "csv_text", "read_csv", "same_lr", "select", "survived"]
+__all__ = ["CSV_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr", "select",
+           "survived"]
 
 CSV_COLUMNS = [
     "norm", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps",
@@ -100,6 +101,15 @@ def survived(row: dict[str, Any]) -> float:
 def same_lr(a: float, b: float) -> bool:
     """Learning rates read back from text compare equal when they agree to 6 significant digits."""
     return math.isclose(a, b, rel_tol=1e-5)
+
+
+def distinct_lrs(rows: Iterable[dict[str, Any]]) -> list[float]:
+    """The learning rates of ``rows``, ascending, each once (see :func:`same_lr`)."""
+    out: list[float] = []
+    for lr in sorted(r["lr"] for r in rows):
+        if not out or not same_lr(out[-1], lr):
+            out.append(lr)
+    return out
 
 
 def select(rows: Iterable[dict[str, Any]], norm: Optional[str] = None, lr: Optional[float] = None,

@@ -29,7 +29,7 @@ import math
 import statistics
 from typing import Any
 
-from recipes.stress_rows import accuracy, chance, csv_text, same_lr, select
+from recipes.stress_rows import accuracy, chance, csv_text, distinct_lrs, same_lr, select
 
 __all__ = ["ROBUSTNESS_COLUMNS", "THRESHOLD", "markdown", "robustness", "robustness_csv"]
 
@@ -37,14 +37,6 @@ __all__ = ["ROBUSTNESS_COLUMNS", "THRESHOLD", "markdown", "robustness", "robustn
 THRESHOLD = 0.9
 ROBUSTNESS_COLUMNS = ["norm", "batch_size", "n_lrs", "lrs", "complete", "seeds", "best_lr", "best_top1",
                       "lr_sensitivity", "lr_sensitivity_sd", "max_lr_90", "chance"]
-
-
-def _lrs(rows: list[dict[str, Any]]) -> list[float]:
-    out: list[float] = []
-    for lr in sorted(r["lr"] for r in rows):
-        if not out or not same_lr(out[-1], lr):
-            out.append(lr)
-    return out
 
 
 def _floored(row: dict[str, Any]) -> float:
@@ -81,7 +73,7 @@ def _one(rows: list[dict[str, Any]], norm: str, bs: int, lrs: list[float]) -> di
 def robustness(rows: list[dict[str, Any]], norm_order: tuple[str, ...] = ("layer", "rms", "mrs", "batch")
                ) -> list[dict[str, Any]]:
     """One summary per (norm, batch size) present in ``rows`` (see the module docstring)."""
-    lrs = _lrs(rows)
+    lrs = distinct_lrs(rows)
     norms = sorted({r["norm"] for r in rows}, key=lambda n: (norm_order.index(n) if n in norm_order else 99, n))
     sizes = sorted({r["batch_size"] for r in rows})
     return [_one(rows, n, bs, lrs) for n in norms for bs in sizes if select(rows, norm=n, batch_size=bs)]

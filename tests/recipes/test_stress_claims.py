@@ -141,6 +141,16 @@ def test_contradicted_mechanism() -> None:
     assert claim.verdict == "contradicted" and "lr 0.1, batch 32: mrs - layer" in claim.why
 
 
+def test_mechanism_leaves_out_collapsed_runs() -> None:
+    """A baseline that collapsed with a finite loss and vanished gradients (grad_cv 0) is not "more even"."""
+    rows = _table(_paper_like)
+    for r in rows:
+        if r["diverged"]:
+            r.update(diverged=False, divergence_step=None, final_top1=0.1, mean_grad_cv=0.0)
+    claim = _verdicts(rows)["M"]
+    assert claim.verdict == "supported" and "12 not measurable" in claim.why
+
+
 def test_too_few_seeds_and_missing_cells_are_inconclusive_with_the_reason() -> None:
     one_seed = _verdicts(_table(_paper_like, seeds=(0,)))
     for claim in one_seed.values():
