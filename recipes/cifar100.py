@@ -18,6 +18,12 @@ stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
 (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
 DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
 (``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``.
+``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
+samples whose label is among the top k logits, as papers report them. The data
+(:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
+
+A user mistake (an unknown ``--model.arch``, a bad option value, a malformed image folder,
+CIFAR-100 missing offline, ...) is one ``error: ...`` line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -31,17 +37,18 @@ if __name__ == "__main__":  # `python recipes/cifar100.py`: run this file as the
 
     _sys.exit(run())
 
+import logging
 import math
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal, NoReturn, Optional
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -73,7 +80,7 @@ class CifarClassifier(pl.LightningModule):
         weight_decay: SGD weight decay (on every parameter, as in the usual CIFAR recipe).
         warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
         schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
-        num_classes: classifier outputs.
+        num_classes: classifier outputs (the recipe sets it from ``--data.dataset``: ``data.num_classes``).
         cifar_stem: the CIFAR stem for ResNets (3x3 stride-1 conv, no max-pool).
         label_smoothing: cross-entropy label smoothing.
         arch_kwargs: extra keyword arguments of the model builder (see :func:`build_model`).
@@ -118,8 +125,7 @@ class CifarClassifier(pl.LightningModule):
         self.model = build_model(arch, num_classes, cifar_stem, arch_kwargs)
         self.swap_report = None
         if norm != "batch":
-            self.swap_report = swap_norms(self.model, target=norm)
-            rank_zero_info(str(self.swap_report))
+            self.swap_report = swap_norms(self.model, target=norm)  # printed when fitting starts
         for module in self.model.modules():
             if isinstance(module, (MRSNorm, MRSNorm2d)):
                 module.backend = mrs_backend
@@ -134,6 +140,8 @@ class CifarClassifier(pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        if self.swap_report is not None:
+            rank_zero_info(str(self.swap_report))
         dm = getattr(self.trainer, "datamodule", None)
         per_device = getattr(dm, "batch_size", None)
         if per_device is None:
@@ -210,8 +218,23 @@ def default_precision(accelerator: Any) -> str:
     return "32-true"
 
 
+class OneLineParser(LightningArgumentParser):
+    """The recipe's parser: a parsing mistake is one ``error: ...`` line and exit 2, not the usage."""
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse's nested parsers report to their parent
+            super().error(message, ex)
+        raise UsageError(f"{message} (options: --help)")
+
+
 class CifarCLI(LightningCLI):
-    """LightningCLI with the recipe's callbacks, checkpointing and precision defaults."""
+    """LightningCLI with the recipe's callbacks, checkpointing and precision defaults.
+
+    Mistakes in the options, ``--ckpt_path``, a malformed image folder and a missing CIFAR-100
+    (checked, or downloaded, before the trainer is built) are one line, without the trainer's
+    start-up messages.
+    """
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -234,35 +257,54 @@ class CifarCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path and not os.path.isfile(ckpt_path):
+            raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "
+                             "(e.g. <run>/lightning_logs/version_0/checkpoints/last.ckpt) or leave it out.")
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        # Check (download) the data once the options are known good (the model is built) but
+        # before the trainer talks and DDP workers start, so that a missing dataset is one
+        # message from one process; other local ranks (torchrun/SLURM start them all) rely on
+        # local rank 0, as Lightning's prepare_data does.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            self.datamodule.prepare_data()
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
+            raise UsageError(f"a --trainer option: {err}") from None
 
 
 def main(args: Optional[list[str]] = None) -> None:
     """Parse the command line, check the data, and fit."""
-    cli = CifarCLI(
-        CifarClassifier,
-        ImageDataModule,
-        run=False,
-        args=args,
-        seed_everything_default=0,
-        trainer_defaults={
-            "max_epochs": 200,
-            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
-        },
-        save_config_kwargs={"overwrite": True},
-    )
-    # Check (download) the data before fit() launches DDP workers, so that a missing dataset is
-    # one clear message from one process instead of a traceback per rank. Other local ranks
-    # (torchrun/SLURM start them all) rely on local rank 0, as Lightning's prepare_data does.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        cli.datamodule.prepare_data()
-    ckpt_path = cli.config.get("ckpt_path")
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)  # "Seed set to" only once the configuration is valid
+    try:
+        cli = CifarCLI(
+            CifarClassifier,
+            ImageDataModule,
+            run=False,
+            args=args,
+            parser_class=OneLineParser,
+            seed_everything_default=0,
+            trainer_defaults={
+                "max_epochs": 200,
+                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+            },
+            save_config_kwargs={"overwrite": True},
+        )
+    finally:
+        seed_log.setLevel(level)
+    rank_zero_info(f"Seed set to {cli.config.seed_everything}")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
 
 
 def run(args: Optional[list[str]] = None) -> int:
     """:func:`main` with user errors (:class:`recipes.errors.UsageError`) as one stderr line, exit 2."""
     try:
         main(args)
-    except UsageError as err:
+    except (UsageError, MisconfigurationException) as err:  # Lightning's: a bad --trainer.* value
         return report(err)
     return 0

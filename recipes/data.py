@@ -45,7 +45,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import override
 
-from recipes.datasets import FolderLayout, TensorImages, digits_images, scan_folder, stratified_split
+from recipes.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
+                              scan_folder, stratified_split)
 from recipes.errors import UsageError
 from recipes.synthetic import SyntheticCIFAR100
 
@@ -60,6 +61,7 @@ _STATS = {
     "folder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),  # ImageNet's, for natural photos
 }
 _DOWNLOAD_TIMEOUT_S = 60.0
+_VERIFIED_ROOTS: set[str] = set()  # CIFAR-100 roots checked in this process (the check reads 160 MB)
 
 
 class DatasetUnavailableError(UsageError):
@@ -84,7 +86,10 @@ class ImageDataModule(pl.LightningDataModule):
     """CIFAR-100, digits, an image folder or synthetic data, with standard augmentation.
 
     Args:
-        dataset: ``cifar100``, ``digits``, ``folder`` or ``synthetic`` (see the module docstring).
+        dataset: ``cifar100`` (downloaded into ``root``), ``digits`` (scikit-learn's bundled
+            handwritten digits, offline), ``folder`` (your images: ``root/train/<class>/*`` and
+            ``root/val/<class>/*``, or ``root/<class>/*`` split by ``val_fraction``) or
+            ``synthetic`` (a generated CIFAR-100-shaped stand-in, for tests).
         root: ``cifar100``: the directory holding (or receiving) ``cifar-100-python``;
             ``folder``: the image folder.
         batch_size: samples per device and step; the global batch is this times the number
@@ -93,8 +98,10 @@ class ImageDataModule(pl.LightningDataModule):
         val_fraction: share of each class held out for validation (digits; a folder without
             ``train/``/``val/``).
         split_seed: seed of that split (same seed, same split everywhere).
-        augment: training augmentation (see the module docstring); off: train images are
-            prepared like the validation ones.
+        augment: training augmentation: random crop (padding ``image_size // 8``) and
+            horizontal flip for cifar100/synthetic, the same crop only (small translations) for
+            digits, random resized crop and flip for folder; off: training images are prepared
+            like the validation ones.
         num_workers: DataLoader worker processes per device; ``None``: 0 on the CPU (the model
             needs the cores), else ``min(8, cpus // local processes)``.
         auto_augment: add torchvision's AutoAugment (CIFAR-10 policy) to the augmentation.
@@ -150,6 +157,8 @@ class ImageDataModule(pl.LightningDataModule):
         self.synthetic_seed = synthetic_seed
         # the folder is checked now: its class count sizes the model head before anything runs
         self.layout: Optional[FolderLayout] = scan_folder(root) if dataset == "folder" else None
+        if dataset == "digits":
+            require_sklearn_digits()  # fail now, before the model and trainer are built
         self.classes: list[str] = (
             list(self.layout.classes) if self.layout else [str(i) for i in range(10)] if dataset == "digits"
             else [f"class_{i:03d}" for i in range(100)]
@@ -158,7 +167,6 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))
-        self._prepared = False
 
     # ------------------------------------------------------------------ data on disk
     def _missing_message(self, reason: str) -> str:
@@ -177,7 +185,8 @@ class ImageDataModule(pl.LightningDataModule):
         Raises:
             DatasetUnavailableError: the files are missing or corrupt and could not be downloaded.
         """
-        if self.dataset != "cifar100" or self._prepared:
+        root = os.path.abspath(self.root)
+        if self.dataset != "cifar100" or root in _VERIFIED_ROOTS:
             return
         from torchvision.datasets import CIFAR100
 
@@ -194,7 +203,7 @@ class ImageDataModule(pl.LightningDataModule):
             raise DatasetUnavailableError(self._missing_message(reason)) from None
         finally:
             socket.setdefaulttimeout(previous)
-        self._prepared = True
+        _VERIFIED_ROOTS.add(root)
 
     # ------------------------------------------------------------------ datasets
     def _transforms(self, train: bool) -> Callable:
@@ -232,13 +241,11 @@ class ImageDataModule(pl.LightningDataModule):
             self._stats = ((pixels.mean().item(),) * 3, (pixels.std().item(),) * 3)
             return TensorImages(images, labels, train_idx), TensorImages(images, labels, val_idx)
         if self.dataset == "folder":
-            from torchvision.datasets import ImageFolder
-
             layout = self.layout
             assert layout is not None  # set in __init__ for folder
             if layout.val_dir is not None:
-                return ImageFolder(layout.train_dir), ImageFolder(layout.val_dir)
-            full = ImageFolder(layout.train_dir)
+                return image_folder(layout.train_dir, layout.classes), image_folder(layout.val_dir, layout.classes)
+            full = image_folder(layout.train_dir, layout.classes)
             train_idx, val_idx = stratified_split(full.targets, self.val_fraction, self.split_seed)
             return Subset(full, train_idx), Subset(full, val_idx)
         from torchvision.datasets import CIFAR100
@@ -253,6 +260,9 @@ class ImageDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         train, val = self._datasets()
+        if len(train) < self.batch_size:  # type: ignore[arg-type]
+            raise UsageError(f"--data.batch_size {self.batch_size} is larger than the {len(train)} training images "
+                             f"of --data.dataset {self.dataset}: lower it (the last partial batch is dropped).")
         self.train_set = _Transformed(train, self._transforms(train=True))
         self.val_set = _Transformed(val, self._transforms(train=False))
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 from recipes.errors import UsageError
 
-__all__ = ["FolderLayout", "TensorImages", "digits_images", "scan_folder", "stratified_split"]
+__all__ = ["FolderLayout", "TensorImages", "digits_images", "image_folder", "require_sklearn_digits", "scan_folder", "stratified_split"]
 
 FOLDER_LAYOUT = (
     "expected DIR/train/<class>/<image> and DIR/val/<class>/<image> with the same classes, "
@@ -73,6 +73,17 @@ def stratified_split(labels: Sequence[int] | torch.Tensor, val_fraction: float,
     return sorted(train), sorted(val)
 
 
+def require_sklearn_digits() -> Callable[[], Any]:
+    """``sklearn.datasets.load_digits``, or a one-line :class:`UsageError` naming the package."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise UsageError(
+            "--data.dataset digits needs the package scikit-learn (its bundled digits): pip install scikit-learn"
+        ) from None
+    return load_digits
+
+
 def digits_images(image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's bundled handwritten digits as ``uint8`` RGB images.
 
@@ -88,13 +99,7 @@ def digits_images(image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         UsageError: scikit-learn is not installed.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise UsageError(
-            "--data.dataset digits needs the package scikit-learn (its bundled digits): pip install scikit-learn"
-        ) from None
-    digits = load_digits()
+    digits = require_sklearn_digits()()
     x = torch.from_numpy(digits.images).float()[:, None] / 16.0  # (1797, 1, 8, 8), 0..1
     if image_size != 8:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
@@ -133,6 +138,20 @@ class FolderLayout:
     classes: tuple[str, ...]
     train_dir: str
     val_dir: Optional[str]
+
+
+def image_folder(path: str, classes: Sequence[str]) -> Dataset:
+    """torchvision's ``ImageFolder`` over ``path`` with exactly ``classes`` (hidden folders skipped).
+
+    ``ImageFolder`` alone would take every subfolder (``.ipynb_checkpoints`` too) as a class.
+    """
+    from torchvision.datasets import ImageFolder
+
+    class _Folder(ImageFolder):
+        def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
+            return list(classes), {name: i for i, name in enumerate(classes)}
+
+    return _Folder(path)
 
 
 def _class_dirs(path: str) -> list[str]:

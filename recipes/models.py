@@ -4,6 +4,7 @@ Mistakes in ``--model.arch``/``--model.arch_kwargs`` raise :class:`recipes.error
 (one line naming the option and the fix).
 
 Example:
+    >>> import torch
     >>> build_model("timm:test_resnet", num_classes=10)(torch.randn(2, 3, 32, 32)).shape
     torch.Size([2, 10])
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import difflib
 from typing import Any, Optional
 
-import torch
 from torch import nn
 
 from recipes.errors import UsageError

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 from helpers import ROOT
 SCRIPT = ROOT / "recipes" / "cifar100.py"
 from recipes.cifar100 import CifarClassifier, build_model, default_precision
+from recipes.errors import UsageError
 
 # Small and fast on the CPU; the real default is resnet18.
 FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "synthetic",
@@ -80,6 +82,19 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
         logits = model(torch.randn(4, 3, 32, 32))  # (4, 100)
     assert logits.shape == (4, 100) and torch.isfinite(logits).all()
 
+    # the logged val/top1 is the plain share of the validated images (2 batches of 16) it gets right
+    from recipes.data import ImageDataModule
+
+    dm = ImageDataModule(dataset="synthetic", synthetic_val_size=96, batch_size=16)
+    dm.setup("fit")
+    hits = []
+    with torch.no_grad():
+        for i, (x, y) in enumerate(dm.val_dataloader()):
+            if i == 2:
+                break
+            hits.append(model(x).argmax(1) == y)  # (16,)
+    assert scalars["val/top1"][0][1] == pytest.approx(torch.cat(hits).double().mean().item(), abs=1e-6)
+
 
 def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     proc = _run([*FAST, "--model.norm", "layer", "--trainer.devices", "2", "--trainer.strategy", "ddp",
@@ -94,17 +109,66 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     assert [s for s, _ in scalars["val/top1"]] == [1]
 
 
-def test_missing_cifar100_fails_cleanly(tmp_path: Path) -> None:
+def test_missing_cifar100_fails_cleanly(tmp_path: Path, error_line: Callable[[int, str], str]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     # default --data.download true: offline the download fails (bounded by a socket timeout)
     proc = _run([*FAST, "--data.dataset", "cifar100", "--data.root", str(empty), "--trainer.max_steps", "1",
                  "--trainer.default_root_dir", str(tmp_path / "run")], timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "Traceback" not in out
-    assert "CIFAR-100 is not available" in proc.stderr
-    assert str(empty) in proc.stderr and "--data.root" in proc.stderr and "--data.dataset digits" in proc.stderr
+    line = error_line(proc.returncode, proc.stdout + proc.stderr)
+    assert "CIFAR-100 is not available" in line
+    assert str(empty) in line and "--data.root" in line and "--data.dataset digits" in line
+
+
+# Through the script, with Python's warnings on: one stderr line each (a subprocess costs ~6 s of
+# CPU in imports, so the other mistakes go through run() in-process below).
+SCRIPT_MISTAKES = [
+    (["--model.arch", "resnet19"], ["--model.arch 'resnet19'", "did you mean 'resnet18'"]),
+    (["--model.norm", "group"], ["model.norm", "'mrs', 'rms', 'layer', 'batch'", "group"]),
+    (["--data.dataset", "folder", "--data.root", "no/such/dir"], ["--data.root 'no/such/dir'", "DIR/train/<class>"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", SCRIPT_MISTAKES, ids=["arch", "parser", "folder"])
+def test_mistakes_through_the_script(args: list[str], needles: list[str], tmp_path: Path,
+                                     error_line: Callable[[int, str], str]) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--trainer.default_root_dir", str(tmp_path), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # Python's warnings stay on
+    line = error_line(proc.returncode, proc.stdout + proc.stderr)
+    for needle in needles:
+        assert needle in line
+
+
+IN_PROCESS_MISTAKES = [
+    (["--model.arch", "foo:resnet18"], "the prefix must be 'tv:' or 'timm:'"),
+    (["--model.arch", "tv:resnt18"], "did you mean 'resnet18'"),
+    (["--model.arch_kwargs", '{"layerz": 1}'], "--model.arch_kwargs"),
+    (["--model.schedule", "step"], "model.schedule"),
+    (["--model.warmup_frac", "1.0"], "--model.warmup_frac must lie in [0, 1)"),
+    (["--model.lr", "0"], "--model.lr must be > 0"),
+    (["--model.lr", "fast"], "model.lr"),
+    (["--model.mrs_backend", "cuda"], "--model.mrs_backend 'cuda' is not valid; choose one of"),
+    (["--data.val_fraction", "1.5"], "--data.val_fraction must lie in (0, 1)"),
+    (["--data.image_size", "4"], "--data.image_size must be >= 8"),
+    (["--data.batch_size", "0"], "--data.batch_size must be >= 1"),
+    (["--data.dataset", "imagenet"], "data.dataset"),
+    (["--data.dataset", "cifar100", "--data.root", "{tmp}", "--data.download", "false"],
+     "--data.download is false"),
+    (["--ckpt_path", "{tmp}/none.ckpt"], "--ckpt_path"),
+    (["--config", "{tmp}/none.yaml"], "none.yaml"),
+    (["--trainer.strategy", "foo"], "a --trainer option: You selected an invalid strategy name"),
+    (["--trainer.max_epochs", "many"], "trainer.max_epochs"),
+]
+
+
+@pytest.mark.parametrize("args,needle", IN_PROCESS_MISTAKES, ids=lambda v: v[1] if isinstance(v, list) else None)
+def test_mistakes_are_one_line(args: list[str], needle: str, tmp_path: Path,
+                               recipe_error: Callable[[list[str]], str]) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    line = recipe_error(["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset",
+                         "digits", "--trainer.default_root_dir", str(tmp_path), *args])
+    assert needle in line
 
 
 @pytest.mark.parametrize("arch", ["resnet18", "timm:resnet18", "timm:resnet10t"])
@@ -138,8 +202,48 @@ def test_imagenet_stem_kept_on_request_and_non_resnets_untouched() -> None:
      ({"mrs_backend": "cuda"}, "--model.mrs_backend"), ({"arch": "no_such_model_xyz"}, "--model.arch")],
 )
 def test_bad_options_are_named(kwargs: dict, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(UsageError, match=match):
         CifarClassifier(**{"arch": "timm:test_resnet", **kwargs})
+
+
+class _FixedLogits(nn.Module):
+    """Returns the next rows of a given logit table, whatever the input."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits, self.at = logits, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.logits[self.at:self.at + len(x)]  # (N, K)
+        self.at += len(x)
+        return out
+
+
+def test_accuracy_is_plain_micro_accuracy() -> None:
+    """top-1/top-5 are the share of correct samples, not torchmetrics' default per-class (macro) mean."""
+    k = 7
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(11, k, generator=g, dtype=torch.float64).float()  # (11, 7)
+    # unbalanced classes, two classes absent: a per-class average differs from the plain share
+    y = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2, 3, 3, 4])
+    logits[[0, 1, 2, 5, 9], y[[0, 1, 2, 5, 9]]] += 10.0  # make these five right
+    top1 = (logits.argmax(1) == y).double().mean()
+    top5 = (logits.topk(5, dim=1).indices == y[:, None]).any(1).double().mean()
+    per_class = [(logits.argmax(1) == y)[y == c].double().mean() for c in y.unique()]
+    assert abs(top1 - torch.stack(per_class).mean()) > 0.05  # the data tells the two apart
+
+    model = CifarClassifier(arch="timm:test_resnet", norm="batch", num_classes=k)
+    model.model = _FixedLogits(logits)
+    x = torch.zeros(11, 3, 8, 8)
+    with pytest.warns(UserWarning, match="self.log"):  # no trainer: logging is skipped, metrics update
+        model.validation_step((x[:6], y[:6]), 0)  # two batches: the state accumulates
+        model.validation_step((x[6:], y[6:]), 1)
+    assert model.val_top1.compute().item() == pytest.approx(top1.item(), abs=1e-6)
+    assert model.val_top5.compute().item() == pytest.approx(top5.item(), abs=1e-6)
+    model.model.at = 0
+    with pytest.warns(UserWarning, match="self.log"):
+        model.training_step((x, y), 0)
+    assert model.train_top1.compute().item() == pytest.approx(top1.item(), abs=1e-6)
 
 
 def test_batch_norm_means_no_swap() -> None:

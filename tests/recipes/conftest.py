@@ -1,0 +1,40 @@
+"""Fixtures of the recipe tests: the "one line, exit 2, no traceback" contract of user mistakes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture
+def error_line() -> Callable[[int, str], str]:
+    """Check an exit status and stderr for one ``error: ...`` line and status 2; return the line."""
+
+    def check(status: int, stderr: str) -> str:
+        assert status == 2, stderr[-3000:]
+        assert "Traceback" not in stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), stderr  # no warnings, no usage text
+        return lines[0]
+
+    return check
+
+
+@pytest.fixture
+def recipe_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture,
+                 monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], str]:
+    """Run ``recipes/cifar100.py``'s :func:`run` in-process (no ~6 s of imports per case) on a mistake.
+
+    Returns the single error line; fails unless it returns 2 with exactly that line on stderr.
+    """
+    from recipes.cifar100 import run
+
+    monkeypatch.setattr(sys, "argv", ["cifar100.py"])  # pytest's own arguments are not the CLI's
+
+    def check(args: list[str]) -> str:
+        status = run(args)
+        return error_line(status, capfd.readouterr().err)  # fd level: Lightning logs to the real stderr
+
+    return check
