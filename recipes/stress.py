@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator, Optional
 
 # Keep this import list light: a rerun with nothing left to train must not pay for torch/Lightning.
 from recipes import stress_report
+from recipes.errors import report
 from recipes.stress_args import parse_args, usable_cpus
 
 __all__ = ["cell_name", "main", "parse_args", "run", "sweep_settings"]
@@ -95,9 +96,9 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
         old = json.loads(path.read_text())
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if diff:
-            lines = "\n".join(f"  {k}: {a!r} in {path} vs {b!r} now" for k, (a, b) in diff.items())
-            sys.exit(f"error: {out} holds a sweep with other settings:\n{lines}\n"
-                     "Use another --out, or the same settings to resume that sweep.")
+            changes = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+            sys.exit(report(ValueError(f"{out} holds a sweep with other settings ({changes}): use another --out, "
+                                       "or the same settings to resume that sweep.")))
         return
     stress_report.write_atomic(path, json.dumps(settings, indent=2) + "\n")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Optional
+import sys
+from typing import Any, NoReturn, Optional
 
 __all__ = ["DATASET_DEFAULTS", "GRID", "QUICK", "parse_args", "usable_cpus"]
 
@@ -63,8 +64,17 @@ def _list(values: list[Any]) -> str:
     return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A command-line mistake is one ``error: ...`` line on stderr and exit status 2, not the usage."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        from recipes.errors import report
+
+        sys.exit(report(ValueError(f"{message} (options: --help)")))
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         description="The paper's stress sweep (norms x learning rates x batch sizes x seeds) through "
                     "recipes/cifar100.py's classifier; results.csv, robustness.csv, results.md (with computed "
                     "verdicts on the paper's claims) and results.png in --out.",
