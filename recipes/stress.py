@@ -1,31 +1,35 @@
-"""The paper's stress sweep: norms x learning rates x batch sizes x seeds, one table and figure.
+"""The paper's stress sweep: norms x learning rates x batch sizes x seeds, with computed verdicts.
 
-Run from the repository root, e.g. the paper's grid on CIFAR-100 (one GPU, 200-epoch budget
-cut to 30 here):
+Run from the repository root:
 
-    python recipes/stress.py --norms layer rms mrs --lrs 0.1 0.3 0.4 --batch-sizes 32 64 128 \\
-        --seeds 0 1 2 --epochs 30 --dataset cifar100 --out runs/stress
-    # offline, on a CPU, a few minutes (synthetic data, timm's tiny test_resnet)
-    python recipes/stress.py --dataset synthetic --norms layer rms mrs --lrs 0.1 0.4 \\
-        --batch-sizes 32 --seeds 0 --max-steps 200 --out runs/stress_demo
+    # offline, on a CPU: scikit-learn's handwritten digits, the defaults for that data
+    # (norms layer rms mrs batch; lrs 0.03 0.1 0.3 0.4 1 3; batch sizes 32 64 128; seeds 0 1 2;
+    # 10 epochs of a narrow 4-block timm resnet18 on the 8x8 scans; no warm-up; one cell per core)
+    python recipes/stress.py --dataset digits
+    # a coarse look in a few minutes (one seed, lrs 0.1 0.4 3, batch 32 and 128, 5 epochs)
+    python recipes/stress.py --dataset digits --quick
+    # the paper's grid on CIFAR-100 (a GPU; ResNet-18 with the CIFAR stem)
+    python recipes/stress.py --dataset cifar100 --lrs 0.1 0.3 0.4 --epochs 30
 
-Every cell trains ``recipes/cifar100.py``'s ``CifarClassifier`` on ``CifarDataModule`` (same
-optimizer, schedule and augmentation) and records the best and final validation top-1, the
-first optimizer step whose training loss was non-finite (the cell then stops: a divergence,
-not a crash), and the mean ``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` logged by
-``GradientHomogeneityMonitor``. Outputs in ``--out``:
+Every cell trains ``recipes/cifar100.py``'s ``CifarClassifier`` (SGD, momentum 0.9, Nesterov,
+cosine schedule stepped per step) on ``recipes/data.py``'s ``ImageDataModule`` and records the
+best and final validation top-1, the first optimizer step whose training loss was non-finite
+(the cell then stops and counts as chance accuracy from there on) and the mean
+``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of ``GradientHomogeneityMonitor``.
+Outputs in ``--out`` (default ``runs/stress_<dataset>``):
 
-- ``cells/<cell>.json``: one file per finished cell, written atomically when it finishes;
-  the sweep's record. A rerun with the same ``--out`` skips these cells, so an interrupted
-  sweep loses only the cell in progress.
-- ``results.csv`` (one row per finished cell), ``results.md`` (mean +- std over seeds per
-  norm x lr x batch size, divergences marked, the exact settings) and ``results.png``
-  (accuracy per cell, training curves by norm), rebuilt from ``cells/`` on every run.
+- ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record.
+  A rerun with the same ``--out`` skips these cells, so an interrupted sweep loses only the
+  cells in progress.
+- ``results.csv`` (one row per cell), ``robustness.csv`` (LR sensitivity and the largest lr
+  still reaching 90 % of the best, per norm and batch size), ``results.md`` (setup, the
+  verdict on each of the paper's claims computed from ``results.csv``, the robustness tables,
+  mean ± sd over seeds per cell) and ``results.png`` (top-1 against lr per batch size).
 - ``tb/<cell>/``: each cell's TensorBoard run (``tensorboard --logdir <out>/tb``).
 - ``settings.json``: the settings of the sweep; a rerun with different settings is refused.
 
-Several GPUs: run one sweep per GPU on disjoint shards of the same grid into the same
-``--out``, e.g. ``CUDA_VISIBLE_DEVICES=1 python recipes/stress.py ... --shard 1/4``.
+Several GPUs or machines: run one sweep per device on disjoint shards of the same grid into the
+same ``--out``, e.g. ``CUDA_VISIBLE_DEVICES=1 python recipes/stress.py ... --shard 1/4``.
 """
 
 from __future__ import annotations
@@ -42,80 +46,29 @@ if __name__ == "__main__":  # `python recipes/stress.py`: run this file as the m
 import argparse
 import itertools
 import json
-import os
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # Keep this import list light: a rerun with nothing left to train must not pay for torch/Lightning.
 from recipes import stress_report
+from recipes.errors import report
+from recipes.stress_args import parse_args, usable_cpus
+
+__all__ = ["cell_name", "main", "parse_args", "run", "sweep_settings"]
 
 SETTINGS_FILE = "settings.json"
-# The synthetic default: small enough for a CPU, and it learns within a few hundred steps with
-# every norm (the CIFAR stem and timm's tiny test_resnet stay near chance that long on it).
-SYNTHETIC_ARCH = "timm:resnet18"
-SYNTHETIC_ARCH_KWARGS = {"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}
-# settings that do not change what a cell computes, so a rerun may change them freely
-_FREE_SETTINGS = ("num_workers", "shard", "progress", "out", "root")
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="The paper's stress sweep (norms x lrs x batch sizes x seeds) through recipes/cifar100.py.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--norms", nargs="+", default=["layer", "rms", "mrs"], choices=["mrs", "rms", "layer", "batch"])
-    p.add_argument("--lrs", nargs="+", type=float, default=[0.1, 0.3, 0.4], help="peak learning rates")
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 64, 128])
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--epochs", type=int, help="training epochs per cell")
-    budget.add_argument("--max-steps", type=int, help="optimizer steps per cell")
-    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100")
-    p.add_argument("--root", default="data", help="CIFAR-100 directory (downloaded there when missing)")
-    p.add_argument("--arch", default=None,
-                   help="torchvision/timm model; default resnet18 (CIFAR stem) for cifar100, a narrow 4-block "
-                        "timm resnet18 (ImageNet stem) for synthetic")
-    p.add_argument("--arch-kwargs", type=json.loads, default=None,
-                   help='JSON dict of extra model-builder arguments, e.g. \'{"layers": [1, 1, 1, 1]}\'')
-    p.add_argument("--cifar-stem", action=argparse.BooleanOptionalAction, default=None,
-                   help="3x3 stride-1 stem without max-pool for ResNets (default: on for cifar100, off for synthetic)")
-    p.add_argument("--warmup-frac", type=float, default=0.0,
-                   help="linear warm-up fraction of the steps (0: the stress hits the peak lr at once)")
-    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--mrs-backend", default="auto", help="MRSNorm implementation (auto, eager, ...): same maths")
-    p.add_argument("--accelerator", default="auto")
-    p.add_argument("--precision", default=None, help="default: bf16-mixed/16-mixed on GPUs, 32-true on CPU")
-    p.add_argument("--val-every", type=int, default=None,
-                   help="validate every N steps (default: every epoch); always also at the end")
-    p.add_argument("--limit-val-batches", type=float, default=1.0, help="fraction (<=1) or number of val batches")
-    p.add_argument("--log-every", type=int, default=10, help="log and capture phasor statistics every N steps")
-    p.add_argument("--synthetic-train-size", type=int, default=None)
-    p.add_argument("--synthetic-val-size", type=int, default=None)
-    p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: auto)")
-    p.add_argument("--shard", default="0/1", help="K/N: run only the cells with index %% N == K")
-    p.add_argument("--progress", action="store_true", help="also show Lightning's per-step progress bar")
-    p.add_argument("--out", required=True, help="output directory (reused: finished cells are skipped)")
-    args = p.parse_args(argv)
-    if args.arch is None:
-        args.arch = "resnet18" if args.dataset == "cifar100" else SYNTHETIC_ARCH
-        if args.dataset == "synthetic" and args.arch_kwargs is None:
-            args.arch_kwargs = dict(SYNTHETIC_ARCH_KWARGS)
-    if args.cifar_stem is None:
-        args.cifar_stem = args.dataset == "cifar100"
-    for name in ("epochs", "max_steps", "log_every", "val_every"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    try:
-        k, n = (int(v) for v in args.shard.split("/"))
-        assert n >= 1 and 0 <= k < n
-    except (ValueError, AssertionError):
-        p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
-    args.shard_k, args.shard_n = k, n
-    return args
+#: the digits split: a fixed share of each class held out for validation, the same in every cell
+VAL_FRACTION, SPLIT_SEED = 0.2, 0
+_FIGURE_EVERY_S = 120.0  # redrawing results.png after every cell would cost minutes over a sweep
+_SPLITS = {
+    "digits": f"stratified per class, {100 * VAL_FRACTION:g} % held out for validation, split seed {SPLIT_SEED}",
+    "cifar100": "the official 50000 training / 10000 test images (test used for validation)",
+    "synthetic": "generated training and validation sets",
+}
 
 
 def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
@@ -125,11 +78,14 @@ def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
 
 def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Everything that defines what a cell computes, except the grid axes."""
-    keep = ("dataset", "arch", "arch_kwargs", "cifar_stem", "epochs", "max_steps", "warmup_frac", "schedule", "weight_decay", "accelerator",
-            "precision", "mrs_backend", "val_every", "limit_val_batches", "log_every", "synthetic_train_size", "synthetic_val_size")
+    keep = ("dataset", "image_size", "augment", "arch", "arch_kwargs", "cifar_stem", "epochs", "max_steps",
+            "warmup_frac", "schedule", "weight_decay", "accelerator", "precision", "mrs_backend", "val_every",
+            "limit_val_batches", "log_every", "synthetic_train_size", "synthetic_val_size")
     settings = {k: getattr(args, k) for k in keep}
-    settings.update(optimizer="SGD momentum 0.9 nesterov", augmentation="random crop 32 pad 4 + horizontal flip",
-                    devices=1)
+    if settings["precision"] is None:
+        settings["precision"] = "32-true" if args.accelerator == "cpu" else "auto: bf16-mixed/16-mixed on GPUs"
+    settings.update(optimizer="SGD momentum 0.9 nesterov, weight decay on every parameter",
+                    split=_SPLITS[args.dataset], devices=1)
     return settings
 
 
@@ -140,11 +96,63 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
         old = json.loads(path.read_text())
         diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if diff:
-            lines = "\n".join(f"  {k}: {a!r} in {path} vs {b!r} now" for k, (a, b) in diff.items())
-            sys.exit(f"error: {out} holds a sweep with other settings:\n{lines}\n"
-                     "Use another --out, or the same settings to resume that sweep.")
+            changes = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+            sys.exit(report(ValueError(f"{out} holds a sweep with other settings ({changes}): use another --out, "
+                                       "or the same settings to resume that sweep.")))
         return
     stress_report.write_atomic(path, json.dumps(settings, indent=2) + "\n")
+
+
+def _work(args: argparse.Namespace, out: Path, cell: tuple[str, float, int, int]) -> dict[str, Any]:
+    """Train one cell (in this process or a pool worker); its record with wall and CPU seconds."""
+    from recipes.stress_cell import run_cell  # torch, Lightning: only where a cell trains
+
+    norm, lr, bs, seed = cell
+    start, cpu = time.monotonic(), time.process_time()
+    record = run_cell(args, out, cell_name(*cell), norm=norm, lr=lr, batch_size=bs, seed=seed)
+    record["wall_s"] = round(time.monotonic() - start, 2)
+    record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
+    return record
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _records(args: argparse.Namespace, out: Path, todo: list[tuple]) -> Iterator[dict[str, Any]]:
+    """The records of ``todo`` as they finish: in this process, or ``--jobs`` worker processes."""
+    jobs = min(args.jobs, len(todo))
+    if jobs <= 1:
+        for cell in todo:
+            yield _work(args, out, cell)
+        return
+    threads = max(1, usable_cpus() // jobs)
+    context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch/OpenMP state
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(threads,)) as pool:
+        futures = [pool.submit(_work, args, out, cell) for cell in todo]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency; degrade to plain lines if it is missing
+        return (lambda line: print(line, flush=True)), (lambda: None)
+    bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
+
+    def line(text: str) -> None:
+        bar.write(text)
+        bar.update(1)
+
+    return line, bar.close
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -158,42 +166,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     mine = [c for i, c in enumerate(grid) if i % args.shard_n == args.shard_k]
     done = {r["cell"] for r in stress_report.load_records(out)}
     todo = [c for c in mine if cell_name(*c) not in done]
+    jobs = min(args.jobs, max(1, len(todo)))
     print(f"stress sweep: {len(grid)} cells in the grid, {len(mine) - len(todo)} of this shard already done, "
-          f"{len(todo)} to run -> {out}", flush=True)
+          f"{len(todo)} to run ({jobs} at a time) -> {out}", flush=True)
     command = " ".join(["python", "recipes/stress.py", *(argv if argv is not None else sys.argv[1:])])
     if todo:
-        from recipes.stress_cell import check_data, run_cell  # torch, Lightning: only when there is work
+        from recipes.stress_cell import check_data  # torch, Lightning: only when there is work
 
         check_data(args)
+        line, close = _progress(len(todo))
+        last_figure = time.monotonic()
         try:
-            from tqdm.auto import tqdm
-        except ImportError:  # tqdm is a dependency; degrade to plain lines if it is missing
-            tqdm = None
-        bar = tqdm(total=len(todo), desc="cells", unit="cell", dynamic_ncols=True) if tqdm else None
-        for i, (norm, lr, bs, seed) in enumerate(todo, 1):
-            name = cell_name(norm, lr, bs, seed)
-            if bar is not None:
-                bar.set_postfix_str(name)
-            start = time.monotonic()
-            record = run_cell(args, out, name, norm=norm, lr=lr, batch_size=bs, seed=seed)
-            record["wall_s"] = round(time.monotonic() - start, 1)
-            record["command"] = command
-            stress_report.write_atomic(out / "cells" / f"{name}.json", json.dumps(record) + "\n")
-            stress_report.write_outputs(out, settings, command)  # the table is current after every cell
-            line = (f"[{i}/{len(todo)}] {name}: final top-1 {100 * record['final_top1']:.2f} %, "
-                    f"best {100 * record['best_top1']:.2f} %"
-                    + (f", DIVERGED at step {record['divergence_step']}" if record["diverged"] else "")
-                    + f" ({record['wall_s']:.0f} s)")
-            if bar is not None:
-                bar.write(line)
-                bar.update(1)
-            else:
-                print(line, flush=True)
-        if bar is not None:
-            bar.close()
+            for i, record in enumerate(_records(args, out, todo), 1):
+                record["command"] = command
+                stress_report.write_atomic(out / "cells" / f"{record['cell']}.json", json.dumps(record) + "\n")
+                figure = time.monotonic() - last_figure > _FIGURE_EVERY_S
+                stress_report.write_outputs(out, settings, command, figure=figure)  # current after every cell
+                last_figure = time.monotonic() if figure else last_figure
+                line(f"[{i}/{len(todo)}] {record['cell']}: final top-1 {100 * record['final_top1']:.2f} %, "
+                     f"best {100 * record['best_top1']:.2f} %"
+                     + (f", DIVERGED at step {record['divergence_step']}" if record["diverged"] else "")
+                     + f" ({record['wall_s']:.0f} s, {record['cpu_s']:.0f} s CPU)")
+        finally:
+            close()
     stress_report.write_outputs(out, settings, command)
-    print(f"wrote {out / 'results.csv'}, {out / 'results.md'}, {out / 'results.png'}; "
-          f"TensorBoard: tensorboard --logdir {out / 'tb'}")
+    print(f"wrote {out / 'results.md'} (claims, robustness, per-cell table), {out / 'results.csv'}, "
+          f"{out / 'robustness.csv'}, {out / 'results.png'}; TensorBoard: tensorboard --logdir {out / 'tb'}")
     return 0
 
 

@@ -1,6 +1,9 @@
 """One cell of the stress sweep: train ``CifarClassifier`` once and return its record.
 
 Imported by ``stress.py`` only when there are cells to run (torch and Lightning load here).
+A cell whose training loss turns non-finite stops there and counts as chance accuracy from that
+step on: its final top-1 is ``1 / num_classes`` and its best top-1 the best validation before
+the divergence (at least chance).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
-from recipes.data import ImageDataModule as CifarDataModule, DatasetUnavailableError
+from recipes.data import ImageDataModule
+from recipes.errors import UsageError, report
 
-__all__ = ["DivergenceStop", "MemoryLogger", "check_data", "run_cell"]
+__all__ = ["DivergenceStop", "MemoryLogger", "check_data", "counted_top1", "run_cell"]
 
 _MAX_CURVE_POINTS = 400
 
@@ -87,20 +91,39 @@ class DivergenceStop(Callback):
             trainer.should_stop = True
 
 
-def _datamodule(args: argparse.Namespace, batch_size: int) -> CifarDataModule:
-    return CifarDataModule(
-        dataset=args.dataset, root=args.root, batch_size=batch_size, num_workers=args.num_workers,
-        synthetic_train_size=args.synthetic_train_size, synthetic_val_size=args.synthetic_val_size,
+def _datamodule(args: argparse.Namespace, batch_size: int) -> ImageDataModule:
+    from recipes.stress import SPLIT_SEED, VAL_FRACTION
+
+    return ImageDataModule(
+        dataset=args.dataset, root=args.root, batch_size=batch_size, image_size=args.image_size,
+        val_fraction=VAL_FRACTION, split_seed=SPLIT_SEED,
+        augment=args.augment, num_workers=args.num_workers, synthetic_train_size=args.synthetic_train_size,
+        synthetic_val_size=args.synthetic_val_size,
     )
 
 
 def check_data(args: argparse.Namespace) -> None:
-    """Download/check the dataset once before the grid; exit with the clear message if missing."""
+    """Check (download) the dataset once before the grid; a user mistake exits 2 with one line."""
     try:
         _datamodule(args, 1).prepare_data()
-    except DatasetUnavailableError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except UsageError as err:
+        sys.exit(report(err))
+
+
+def counted_top1(val: list[tuple[int, float]], divergence_step: Optional[int],
+                 chance: float) -> list[tuple[int, float]]:
+    """The validation top-1 curve as the sweep counts it: chance from the divergence step on.
+
+    Validations at or after ``divergence_step`` (of the collapsed model) are replaced by one
+    point ``(divergence_step, chance)``; without a divergence ``val`` is returned as it is.
+
+    Example:
+        >>> counted_top1([(10, 0.5), (20, 0.7), (30, 0.3)], 25, 0.1)
+        [(10, 0.5), (20, 0.7), (25, 0.1)]
+    """
+    if divergence_step is None:
+        return list(val)
+    return [(s, v) for s, v in val if s < divergence_step] + [(divergence_step, chance)]
 
 
 def _thin(points: list[tuple[int, float]], limit: int = _MAX_CURVE_POINTS) -> list[list[float]]:
@@ -125,11 +148,11 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     pl.seed_everything(seed, workers=True, verbose=False)
 
+    dm = _datamodule(args, batch_size)
     model = CifarClassifier(arch=args.arch, norm=norm, lr=lr, weight_decay=args.weight_decay,
-                            warmup_frac=args.warmup_frac, schedule=args.schedule,
+                            warmup_frac=args.warmup_frac, schedule=args.schedule, num_classes=dm.num_classes,
                             mrs_backend=args.mrs_backend, arch_kwargs=args.arch_kwargs,
                             cifar_stem=args.cifar_stem)
-    dm = _datamodule(args, batch_size)
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
         shutil.rmtree(tb_dir)
@@ -158,20 +181,21 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
     )
     trainer.fit(model, datamodule=dm)
 
-    val = memory.history.get("val/top1", [])
-    tops = [v for _, v in val]
+    diverged_at = divergence.divergence_step
+    val = counted_top1(memory.history.get("val/top1", []), diverged_at, 1.0 / dm.num_classes)
+    tops = [v for _, v in val if math.isfinite(v)]
     losses = divergence.losses
-    final_loss = losses[-1][1] if losses else math.nan
     return {
         "cell": name, "norm": norm, "lr": lr, "batch_size": batch_size, "seed": seed,
-        "arch": args.arch, "dataset": args.dataset,
+        "arch": args.arch, "dataset": args.dataset, "num_classes": dm.num_classes,
         "steps": trainer.global_step,
-        "best_top1": max((t for t in tops if math.isfinite(t)), default=math.nan),
-        "final_top1": tops[-1] if tops else math.nan,
+        "planned_steps": int(trainer.estimated_stepping_batches),
+        "best_top1": max(tops, default=math.nan),
+        "final_top1": val[-1][1] if val else math.nan,
         "final_val_loss": (memory.history.get("val/loss") or [(0, math.nan)])[-1][1],
-        "final_train_loss": final_loss,
-        "diverged": divergence.divergence_step is not None,
-        "divergence_step": divergence.divergence_step,
+        "final_train_loss": losses[-1][1] if losses else math.nan,
+        "diverged": diverged_at is not None,
+        "divergence_step": diverged_at,
         "mean_grad_cv": _finite_mean(memory.history.get("phasor/all/grad_cv", [])),
         "mean_starved_frac": _finite_mean(memory.history.get("phasor/all/starved_frac", [])),
         "tb_run": str(Path("tb") / name),

@@ -1,4 +1,4 @@
-"""recipes/stress.py: a 2-cell sweep through the real command line, its resume, and its parts."""
+"""recipes/stress.py: a tiny digits sweep through the real command line, its resume, its help, its parts."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 from helpers import ROOT
+from recipes import stress, stress_report
+from recipes.stress_args import DATASET_DEFAULTS, GRID as DEFAULT_GRID
+
 SCRIPT = ROOT / "recipes" / "stress.py"
-
-from recipes import stress_report
-
-GRID = ["--dataset", "synthetic", "--norms", "layer", "mrs", "--lrs", "0.1", "--batch-sizes", "16",
-        "--max-steps", "3", "--synthetic-val-size", "64", "--log-every", "1", "--mrs-backend", "eager",
-        "--accelerator", "cpu"]
+GRID = ["--dataset", "digits", "--norms", "layer", "mrs", "--lrs", "0.1", "--batch-sizes", "16",
+        "--max-steps", "3", "--log-every", "1", "--mrs-backend", "eager", "--accelerator", "cpu"]
 
 
 def _run(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
@@ -36,15 +36,16 @@ def _rows(out: Path) -> list[dict[str, str]]:
 
 def test_sweep_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
-    proc = _run([*GRID, "--seeds", "0", "--out", str(out)])
+    proc = _run([*GRID, "--seeds", "0", "--jobs", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 to run" in proc.stdout
+    assert "2 to run (1 at a time)" in proc.stdout
 
     rows = _rows(out)
     assert [(r["norm"], r["lr"], r["batch_size"], r["seed"]) for r in rows] == [
         ("layer", "0.1", "16", "0"), ("mrs", "0.1", "16", "0")]
     for r in rows:
-        assert r["steps"] == "3" and r["diverged"] == "0" and r["divergence_step"] == ""
+        assert r["steps"] == "3" and r["planned_steps"] == "3" and r["diverged"] == "0" and r["divergence_step"] == ""
+        assert r["dataset"] == "digits" and r["num_classes"] == "10" and float(r["cpu_s"]) > 0
         assert 0.0 <= float(r["best_top1"]) <= 1.0 and 0.0 <= float(r["final_top1"]) <= 1.0
         assert float(r["best_top1"]) >= float(r["final_top1"])
         assert math.isfinite(float(r["mean_grad_cv"])) and 0.0 <= float(r["mean_starved_frac"]) <= 1.0
@@ -53,13 +54,19 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "| 0.1 | 16 | layer | 1 |" in md and "| 0.1 | 16 | mrs | 1 |" in md
     assert "max_steps: `3`" in md and "--max-steps 3" in md  # the exact settings are stated
+    assert "split: `stratified per class, 20 % held out" in md and "optimizer: `SGD" in md
+    # one seed, none of the paper's cells: every claim is inconclusive, and says why
+    assert "## Claims" in md and "**Decision rule.**" in md and md.count("| inconclusive |") == 5
+    assert "missing cells" in md and "## Learning-rate robustness" in md
+    assert (out / "robustness.csv").read_text().startswith("norm,batch_size,")
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # an interrupted sweep: one finished cell lost its record, another seed is new -> only those run
+    # an interrupted sweep: one finished cell lost its record, another seed is new -> only those
+    # run, two at a time in worker processes
     (out / "cells" / "mrs_lr0.1_bs16_seed0.json").unlink()
-    proc = _run([*GRID, "--seeds", "0", "1", "--out", str(out)])
+    proc = _run([*GRID, "--seeds", "0", "1", "--jobs", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 cells in the grid, 1 of this shard already done, 3 to run" in proc.stdout
+    assert "4 cells in the grid, 1 of this shard already done, 3 to run (2 at a time)" in proc.stdout
     rows = _rows(out)
     keys = [(r["norm"], r["seed"]) for r in rows]
     assert sorted(keys) == [("layer", "0"), ("layer", "1"), ("mrs", "0"), ("mrs", "1")]
@@ -78,13 +85,13 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     assert (out / "results.csv").read_text() == before
 
 
-def test_rerun_with_other_settings_is_refused(tmp_path: Path) -> None:
+def test_rerun_with_other_settings_is_refused(tmp_path: Path, error_line: Callable[[int, str], str]) -> None:
     out = tmp_path / "sweep"
     out.mkdir()
-    (out / "settings.json").write_text(json.dumps({"dataset": "synthetic", "max_steps": 999}))
+    (out / "settings.json").write_text(json.dumps({"dataset": "digits", "max_steps": 999}))
     proc = _run([*GRID, "--seeds", "0", "--out", str(out)], timeout=120)
-    assert proc.returncode != 0
-    assert "other settings" in proc.stderr and "max_steps" in proc.stderr
+    line = error_line(proc.returncode, proc.stderr)
+    assert "other settings" in line and "max_steps: 999 there, 3 now" in line
     assert not (out / "results.csv").exists()
 
 
@@ -118,28 +125,72 @@ def test_divergence_stops_the_cell_and_is_recorded() -> None:
 
 def test_table_aggregates_seeds_and_marks_divergence(tmp_path: Path) -> None:
     def record(norm: str, seed: int, top1: float, diverged: bool = False, step: int | None = None) -> dict:
-        return {"cell": f"{norm}_{seed}", "norm": norm, "lr": 0.4, "batch_size": 32, "seed": seed,
+        return {"cell": f"{norm}_{seed}", "norm": norm, "lr": 0.4, "batch_size": 32, "seed": seed, "num_classes": 10,
                 "final_top1": top1, "best_top1": top1, "diverged": diverged, "divergence_step": step,
-                "mean_grad_cv": 0.5, "mean_starved_frac": 0.1, "curves": {"train_loss": [[1, 4.6], [2, 4.5]]}}
+                "mean_grad_cv": 0.5, "mean_starved_frac": 0.1}
 
     (tmp_path / "cells").mkdir()
-    records = [record("mrs", 0, 0.5), record("mrs", 1, 0.7), record("rms", 0, 0.01, True, 7),
+    records = [record("mrs", 0, 0.5), record("mrs", 1, 0.7), record("rms", 0, 0.1, True, 7),
                record("rms", 1, 0.3)]
     for r in records:
         stress_report.write_atomic(tmp_path / "cells" / f"{r['cell']}.json", json.dumps(r))
     stress_report.write_outputs(tmp_path, {"max_steps": 10}, "python recipes/stress.py ...")
     md = (tmp_path / "results.md").read_text()
-    # mean and sample std over seeds, in %: (50, 70) -> 60 +- 14.14; (1, 30) -> 15.5 +- 20.51
+    # mean and sample std over seeds, in %: (50, 70) -> 60 +- 14.14; (10 = chance, 30) -> 20 +- 14.14
     assert f"| 0.4 | 32 | mrs | 2 | 60.00 ± {math.sqrt(200):.2f} |" in md
-    assert f"| 0.4 | 32 | rms | 2 | 15.50 ± {math.sqrt((14.5 ** 2) * 2):.2f} |" in md
+    assert f"| 0.4 | 32 | rms | 2 | 20.00 ± {math.sqrt(200):.2f} |" in md
     assert "**DIVERGED 1/2 @ 7**" in md
     assert len(_rows(tmp_path)) == 4
     assert (tmp_path / "results.png").exists()
 
 
+def _help_blocks() -> dict[str, str]:
+    proc = _run(["--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    blocks: dict[str, str] = {}
+    name = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif name and line.startswith("   "):
+            blocks[name] += " " + line.strip()
+        else:
+            name = None
+    return blocks
+
+
+def test_help_shows_every_default_once() -> None:
+    blocks = _help_blocks()
+    assert len(blocks) > 25
+    for name, text in blocks.items():
+        if name != "-h":
+            assert text.count("(default:") == 1 and "default: None" not in text, text
+    # the per-dataset defaults in the help are the ones the code fills in
+    digits = DATASET_DEFAULTS["digits"]
+    assert f"digits {digits['epochs']};" in blocks["--epochs"] and f"digits {digits['image_size']};" in blocks[
+        "--image-size"]
+    args = stress.parse_args(["--dataset", "digits"])
+    assert (args.epochs, args.image_size, args.arch, args.arch_kwargs, args.augment) == (
+        digits["epochs"], digits["image_size"], digits["arch"], digits["arch_kwargs"], digits["augment"])
+    assert (args.norms, args.lrs, args.batch_sizes, args.seeds) == tuple(DEFAULT_GRID.values())
+    assert args.out == str(Path("runs") / "stress_digits") and args.warmup_frac == 0.0
+
+
+def test_docstring_states_the_code_defaults() -> None:
+    doc = stress.__doc__
+    digits = DATASET_DEFAULTS["digits"]
+    listed = lambda key: " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in DEFAULT_GRID[key])  # noqa: E731
+    assert f"lrs {listed('lrs')};" in doc and f"batch sizes {listed('batch_sizes')};" in doc
+    assert f"norms {listed('norms')};" in doc and f"seeds {listed('seeds')};" in doc
+    assert f"{digits['epochs']} epochs" in doc and digits["arch"].split(":")[-1] in doc
+    assert f"{digits['image_size']}x{digits['image_size']}" in doc
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--max-steps", "0"], "--max-steps"), (["--max-steps", "1", "--shard", "2/2"], "--shard"), ([], "--epochs"),
+    (["--dataset", "digits", "--lrs", "x"], "--lrs"),
 ])
-def test_bad_arguments(tmp_path: Path, argv: list[str], message: str) -> None:
+def test_bad_arguments(tmp_path: Path, argv: list[str], message: str, error_line: Callable[[int, str], str]) -> None:
     proc = _run(["--out", str(tmp_path / "x"), *argv], timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr
+    assert message in error_line(proc.returncode, proc.stderr)

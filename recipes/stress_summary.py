@@ -1,0 +1,127 @@
+"""Learning-rate robustness of each norm per batch size: ``robustness.csv`` and its ``results.md`` section.
+
+Per norm and batch size, over the swept learning rates ``L`` (accuracy = the final top-1 of
+:func:`recipes.stress_rows.accuracy`, floored at chance):
+
+* **LR sensitivity** (after Wortsman et al. 2023, arXiv 2309.14322, in accuracy terms): per
+  seed, ``mean over lr in L of (max over L of acc - acc(lr))``; reported as mean and sd over
+  the seeds that have every lr of ``L``. In points of top-1; 0 is a flat curve, lower is more
+  robust. A diverged cell counts as chance, so a collapse weighs ``best - chance``.
+* **largest lr at 90 %**: the largest lr in ``L`` whose seed-mean accuracy is at least 90 % of
+  the best seed-mean accuracy over ``L`` (smaller lrs may fail: the curve is not assumed to be
+  monotonic).
+* best lr and its seed-mean accuracy.
+
+``L`` is every learning rate of the table; a norm/batch size lacking one of them is marked
+incomplete and its LR sensitivity is left empty (it would not be comparable).
+
+Example:
+    >>> rows = [{"norm": "mrs", "lr": lr, "batch_size": 32, "seed": 0, "num_classes": 10,
+    ...          "final_top1": acc, "diverged": False} for lr, acc in [(0.1, 0.9), (1.0, 0.5)]]
+    >>> s = robustness(rows)[0]
+    >>> round(s["lr_sensitivity"], 3), s["max_lr_90"], s["best_lr"]
+    (0.2, 0.1, 0.1)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from recipes.stress_rows import accuracy, chance, csv_text, distinct_lrs, same_lr, select
+
+__all__ = ["ROBUSTNESS_COLUMNS", "THRESHOLD", "markdown", "robustness", "robustness_csv"]
+
+#: "still works" = reaches this fraction of the norm's best accuracy
+THRESHOLD = 0.9
+ROBUSTNESS_COLUMNS = ["norm", "batch_size", "n_lrs", "lrs", "complete", "seeds", "best_lr", "best_top1",
+                      "lr_sensitivity", "lr_sensitivity_sd", "max_lr_90", "chance"]
+
+
+def _floored(row: dict[str, Any]) -> float:
+    acc = accuracy(row)
+    return max(acc, chance(row)) if math.isfinite(acc) else math.nan
+
+
+def _one(rows: list[dict[str, Any]], norm: str, bs: int, lrs: list[float]) -> dict[str, Any]:
+    mine = select(rows, norm=norm, batch_size=bs)
+    by_lr = {lr: [r for r in mine if same_lr(r["lr"], lr)] for lr in lrs}
+    present = [lr for lr in lrs if by_lr[lr]]
+    curve = {lr: statistics.fmean(v) for lr in present
+             if (v := [a for a in map(_floored, by_lr[lr]) if math.isfinite(a)])}
+    best_lr = max(curve, key=lambda lr: (curve[lr], -lr)) if curve else None  # ties: the smaller lr
+    best = curve[best_lr] if best_lr is not None else math.nan
+    works = [lr for lr, acc in curve.items() if acc >= THRESHOLD * best]
+    complete = len(present) == len(lrs)
+    per_seed = []
+    if complete:
+        for seed in sorted({r["seed"] for r in mine}):
+            accs = [_floored(r) for lr in lrs for r in by_lr[lr] if r["seed"] == seed]
+            if len(accs) == len(lrs) and all(map(math.isfinite, accs)):
+                top = max(accs)
+                per_seed.append(statistics.fmean(top - a for a in accs))
+    return {
+        "norm": norm, "batch_size": bs, "n_lrs": len(present), "lrs": " ".join(f"{lr:g}" for lr in present),
+        "complete": complete, "seeds": len(per_seed), "best_lr": best_lr, "best_top1": best,
+        "lr_sensitivity": statistics.fmean(per_seed) if per_seed else None,
+        "lr_sensitivity_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else None,
+        "max_lr_90": max(works) if works else None, "chance": chance(mine[0]) if mine else math.nan,
+    }
+
+
+def robustness(rows: list[dict[str, Any]], norm_order: tuple[str, ...] = ("layer", "rms", "mrs", "batch")
+               ) -> list[dict[str, Any]]:
+    """One summary per (norm, batch size) present in ``rows`` (see the module docstring)."""
+    lrs = distinct_lrs(rows)
+    norms = sorted({r["norm"] for r in rows}, key=lambda n: (norm_order.index(n) if n in norm_order else 99, n))
+    sizes = sorted({r["batch_size"] for r in rows})
+    return [_one(rows, n, bs, lrs) for n in norms for bs in sizes if select(rows, norm=n, batch_size=bs)]
+
+
+def robustness_csv(summaries: list[dict[str, Any]]) -> str:
+    """``robustness.csv``: one row per norm and batch size."""
+    return csv_text(summaries, ROBUSTNESS_COLUMNS)
+
+
+def _pivot(summaries: list[dict[str, Any]], cell: Any) -> list[str]:
+    sizes = sorted({s["batch_size"] for s in summaries})
+    norms = list(dict.fromkeys(s["norm"] for s in summaries))
+    lines = ["| norm | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|:---|" + "---:|" * len(sizes)]
+    for n in norms:
+        found = {s["batch_size"]: s for s in summaries if s["norm"] == n}
+        lines.append(f"| {n} | " + " | ".join(cell(found[b]) if b in found else "-" for b in sizes) + " |")
+    return lines
+
+
+def _sensitivity(s: dict[str, Any]) -> str:
+    if s["lr_sensitivity"] is None:
+        return "incomplete" if not s["complete"] else "-"
+    sd = f" ± {100 * s['lr_sensitivity_sd']:.2f}" if s["lr_sensitivity_sd"] is not None else ""
+    return f"{100 * s['lr_sensitivity']:.2f}{sd} (n={s['seeds']})"
+
+
+def markdown(summaries: list[dict[str, Any]]) -> list[str]:
+    """The "Learning-rate robustness" section of ``results.md``."""
+    if not summaries:
+        return []
+    lrs = max((s["lrs"] for s in summaries), key=len)
+    return [
+        "## Learning-rate robustness",
+        "",
+        f"Over the swept learning rates ({lrs}); final top-1 with a diverged cell counted as chance and every "
+        "cell floored at chance (`robustness.csv`, from `results.csv` by `recipes/stress_summary.py`).",
+        "",
+        "**LR sensitivity** (after Wortsman et al. 2023, arXiv 2309.14322, in accuracy terms): per seed, the mean "
+        "over the learning rates of (best final top-1 over the learning rates - the cell's final top-1), in points "
+        "of top-1; mean ± sd over seeds. Lower is more robust; 0 is a flat curve.",
+        "",
+        *_pivot(summaries, _sensitivity),
+        "",
+        f"**Largest learning rate still reaching {100 * THRESHOLD:.0f} % of the norm's best** seed-mean top-1 "
+        "(best lr and best top-1 in brackets):",
+        "",
+        *_pivot(summaries, lambda s: "-" if s["max_lr_90"] is None else
+                f"{s['max_lr_90']:g} ({s['best_lr']:g}: {100 * s['best_top1']:.1f} %)"),
+        "",
+    ]
