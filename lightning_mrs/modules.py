@@ -1,4 +1,11 @@
-"""MRSNorm modules: thin, drop-in wrappers around :func:`lightning_mrs.mrs_norm`."""
+"""MRSNorm modules: thin, drop-in wrappers around :func:`lightning_mrs.mrs_norm`.
+
+Exportable three ways: ``torch.export`` and ``torch.jit.trace`` record the reference formula
+(:func:`lightning_mrs.mrs_norm` runs it while tracing), and ``torch.jit.script`` compiles a
+forward that calls it directly (TorchScript cannot compile the argument checks or the
+kernels' dispatch: a scripted model runs the plain formula, and a wrong input fails with
+torch's own shape error rather than the module's message).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs.ops.mrs_norm import normalize
+from lightning_mrs.ops.reference import mrs_norm_reference
 
 __all__ = ["MRSNorm", "MRSNorm2d"]
 
@@ -70,6 +78,8 @@ class MRSNorm(_MRSNormBase):
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles only this branch: the reference formula
+            return mrs_norm_reference(x, self.weight, self.eps, x.ndim - 1, False)
         if x.ndim == 0 or x.shape[-1] != self.num_channels:
             raise ValueError(
                 f"{self}: expected the last dim to hold {self.num_channels} channels, got input "
@@ -106,6 +116,8 @@ class MRSNorm2d(_MRSNormBase):
         super().__init__(num_channels, eps, affine, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles only this branch: the reference formula
+            return mrs_norm_reference(x, self.weight, self.eps, 1, self.spatial)
         if x.ndim < 2 or x.shape[1] != self.num_channels:
             raise ValueError(
                 f"{self}: expected input of shape (N, {self.num_channels}, *spatial), got "

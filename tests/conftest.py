@@ -26,4 +26,4 @@ def recording_logger() -> RecordingLogger:
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     """Every test starts from the same global seed."""
-    torch.manual_seed(0)
+    torch.random.default_generator.manual_seed(0)  # CPU only: torch.manual_seed also queues device seeds

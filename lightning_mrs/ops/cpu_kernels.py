@@ -222,7 +222,7 @@ def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: f
     without a weight."""
     groups, rows, cols = x3.shape
     g3 = g3.contiguous()
-    rs = r_sum.to(torch.float32).contiguous()
+    r_sum32 = r_sum.to(torch.float32).contiguous()  # (A, 1, 1)
     dx3 = torch.empty_like(x3)
     w, w_ptr = _weight_ptr(w2)
     channels = cols if layout.last else rows
@@ -230,7 +230,7 @@ def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: f
     dw_ptr = dw.data_ptr() if dw is not None else None
     kind = "bwd_rows" if layout.last else "bwd_sample"
     threads = torch.get_num_threads()
-    ptrs = (x3.data_ptr(), g3.data_ptr(), w_ptr, rs.data_ptr(), dx3.data_ptr(), dw_ptr)
+    ptrs = (x3.data_ptr(), g3.data_ptr(), w_ptr, r_sum32.data_ptr(), dx3.data_ptr(), dw_ptr)
     _fn(kind, x3.dtype)(*ptrs, groups, rows, cols, eps, threads)
     del w
     return dx3, dw

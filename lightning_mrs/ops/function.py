@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs.ops.dispatch import get_backend
-from lightning_mrs.ops.layout import Canonical, like
+from lightning_mrs.ops.layout import Canonical, is_dense, like
 from lightning_mrs.ops.reference import mrs_norm_reference
 
 __all__ = ["MRSNormFunction", "fused_mrs_norm"]
@@ -53,11 +53,15 @@ class MRSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
                 backend: str) -> Tensor:
-        can = Canonical.of(x, channel_dim, spatial)
-        y3, r_sum = get_backend(backend).forward(can.view(x), _per_channel(weight), eps, can.layout)
+        canonical = Canonical.of(x, channel_dim, spatial)
+        y3, r_sum = get_backend(backend).forward(canonical.view(x), _per_channel(weight), eps, canonical.layout)
         ctx.save_for_backward(x, weight, r_sum)  # r_sum = P * S: one value per group
         ctx.config = (eps, channel_dim, spatial, backend)
-        return _fresh(can.restore(y3))
+        y = canonical.restore(y3)
+        if not canonical.is_dense(x) and is_dense(x):
+            # the view was a copy (one S per sample, channels mid-memory): give y x's layout back
+            return torch.empty_like(x).copy_(y)
+        return _fresh(y)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Optional[Tensor], ...]:
@@ -67,11 +71,11 @@ class MRSNormFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             dx, dw = _differentiable_grads(x, weight, g, eps, channel_dim, spatial, need_x, need_w)
             return dx, dw, None, None, None, None
-        can = Canonical.of(x, channel_dim, spatial)
+        canonical = Canonical.of(x, channel_dim, spatial)
         dx3, dw = get_backend(backend).backward(
-            can.view(x), _per_channel(weight), r_sum, can.view(like(g, x)), eps, can.layout
+            canonical.view(x), _per_channel(weight), r_sum, canonical.view(like(g, x)), eps, canonical.layout
         )
-        dx = can.restore(dx3) if need_x else None
+        dx = canonical.restore(dx3) if need_x else None
         dw = dw.to(weight.dtype) if need_w else None
         return dx, dw, None, None, None, None
 

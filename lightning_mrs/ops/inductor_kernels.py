@@ -80,7 +80,7 @@ def _run(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
         return out
 
 
-# --- the backend interface (see lightning_mrs.ops.backends) ---------------------------------
+# --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     """Why ``auto`` should not compile for ``key`` (an explicit request only needs a device
     Inductor compiles for)."""

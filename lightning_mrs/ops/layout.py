@@ -7,21 +7,27 @@ Every kernel sees one of two canonical shapes, with one ``S`` per ``(a, l)``
   a permuted view with the channels last): the ``last`` kernels;
 * ``(A, C, L)`` otherwise (NCHW, a channels-first view of any memory format).
 
-The mapping moves the channel dim (to the end, or next to the batch dim for
-``spatial=True``, or nowhere), then reshapes: a view for every dense layout, a copy for
-odd strides (slices, expanded dims). It is always a *logical* mapping, so it is right for
-any strides; only the cost of the reshape depends on them.
+The mapping permutes the input's dims, then reshapes. The permutation follows the memory
+order (the dims sorted by stride): with one ``S`` per position any grouping of the other
+dims into ``A`` and ``L`` is right, so they are taken as they lie in memory; with one ``S``
+per sample the batch dim comes first and the others follow in memory order. So every dense
+layout (any permutation of a contiguous tensor) is a view, except one ``S`` per sample with
+the channels neither innermost nor next to the batch dim (``(N, H, C, W)`` in memory) or the
+batch dim not outermost; those, and odd strides (slices, expanded dims), are copied. It is
+always a *logical* mapping, so it is right for any strides; only the cost of the reshape
+depends on them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Canonical", "DispatchKey", "Layout", "like"]
+__all__ = ["Canonical", "DispatchKey", "Layout", "is_dense", "like"]
 
 
 class Layout(NamedTuple):
@@ -31,22 +37,31 @@ class Layout(NamedTuple):
     spatial: bool  # one S per a (all l together); else one per (a, l)
 
 
+def _memory_order(x: Tensor, dims: Iterable[int]) -> list[int]:
+    """``dims`` of ``x`` from the outermost to the innermost in memory (ties keep their order)."""
+    return sorted(dims, key=lambda d: -x.stride(d))
+
+
+def is_dense(x: Tensor) -> bool:
+    """``x`` is a permutation of a contiguous tensor (no gaps, no overlaps; size-1 dims aside)."""
+    return x.permute(_memory_order(x, range(x.ndim))).is_contiguous()
+
+
 class Canonical(NamedTuple):
     """How tensors shaped like one input map to the kernels' 3-d view and back.
 
     Example:
         >>> import torch
-        >>> x = torch.randn(2, 8, 4, 4).permute(0, 2, 3, 1)  # channels last, as a view
-        >>> can = Canonical.of(x, channel_dim=3, spatial=True)
-        >>> can.layout, tuple(can.view(x).shape)
-        (Layout(last=True, spatial=True), (2, 16, 8))
-        >>> bool((can.restore(can.view(x)) == x).all())
+        >>> x = torch.randn(2, 4, 4, 8).permute(0, 3, 1, 2)  # NCHW, stored as NHWC
+        >>> canonical = Canonical.of(x, channel_dim=1, spatial=True)
+        >>> canonical.layout, tuple(canonical.view(x).shape), canonical.is_dense(x)
+        (Layout(last=True, spatial=True), (2, 16, 8), True)
+        >>> bool((canonical.restore(canonical.view(x)) == x).all())
         True
     """
 
-    channel_dim: int  # of the input, non-negative
-    moved_to: int  # where the channel dim sits in the view before the reshape
-    moved_shape: tuple[int, ...]  # the input's shape after that move
+    order: tuple[int, ...]  # the input's dims in the order of the view, outermost first
+    permuted_shape: tuple[int, ...]  # the input's shape in that order
     shape3: tuple[int, int, int]  # (A, L, C) if layout.last else (A, C, L)
     layout: Layout
 
@@ -57,31 +72,32 @@ class Canonical(NamedTuple):
         channels = shape[channel_dim]
         numel = math.prod(shape)
         last = x.stride(channel_dim) == 1 and x.ndim > 1
-        if last:
-            moved_to = x.ndim - 1
-        else:
-            moved_to = 1 if spatial else channel_dim
-        moved = list(shape)
-        moved.insert(moved_to, moved.pop(channel_dim))
-        if spatial:
+        if spatial:  # one S per sample: the batch dim outermost, the channels beside it or innermost
+            rest = _memory_order(x, [d for d in range(1, x.ndim) if d != channel_dim])
+            order = [0, *rest, channel_dim] if last else [0, channel_dim, *rest]
             groups = shape[0]
-        else:
-            groups = numel // channels if last else math.prod(shape[:channel_dim])
+        elif last:  # one S per position, channels innermost: all other dims are rows
+            order = [*_memory_order(x, [d for d in range(x.ndim) if d != channel_dim]), channel_dim]
+            groups = numel // channels
+        else:  # one S per position: the dims outside the channels in memory are A, those inside L
+            order = _memory_order(x, range(x.ndim))
+            groups = math.prod(shape[d] for d in order[: order.index(channel_dim)])
         positions = numel // (groups * channels) if groups * channels else 0
         shape3 = (groups, positions, channels) if last else (groups, channels, positions)
-        return Canonical(channel_dim, moved_to, tuple(moved), shape3, Layout(last, spatial))
+        return Canonical(tuple(order), tuple(shape[d] for d in order), shape3, Layout(last, spatial))
 
     def view(self, t: Tensor) -> Tensor:
-        """``t`` (shaped like the input) as the 3-d view; a copy only for odd strides."""
-        return t.movedim(self.channel_dim, self.moved_to).reshape(self.shape3)
+        """``t`` (shaped like the input) as the 3-d view; a copy only where no view exists."""
+        return t.permute(self.order).reshape(self.shape3)
 
     def is_dense(self, x: Tensor) -> bool:
         """The view of ``x`` is contiguous and needs no copy (what the C++ kernels take)."""
-        return x.movedim(self.channel_dim, self.moved_to).is_contiguous()
+        return x.permute(self.order).is_contiguous()
 
     def restore(self, t3: Tensor) -> Tensor:
         """A 3-d kernel result back in the input's shape (the strides follow ``t3``'s)."""
-        return t3.reshape(self.moved_shape).movedim(self.moved_to, self.channel_dim)
+        inverse = [self.order.index(d) for d in range(len(self.order))]
+        return t3.reshape(self.permuted_shape).permute(inverse)
 
 
 def like(g: Tensor, x: Tensor) -> Tensor:

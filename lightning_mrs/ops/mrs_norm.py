@@ -55,8 +55,9 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
 def _choose(x: Tensor, channel_dim: int, spatial: bool, backend: str) -> str:
     if backend == "eager" or _runs_eagerly(x):
         return "eager"
-    can = Canonical.of(x, channel_dim, spatial)
-    key = DispatchKey(x.device.type, x.dtype, can.layout, can.is_dense(x), x.numel() >= compile_min_numel())
+    canonical = Canonical.of(x, channel_dim, spatial)
+    large = x.numel() >= compile_min_numel()
+    key = DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.is_dense(x), large)
     return resolve(key, backend)
 
 

@@ -4,7 +4,9 @@ Channels are paired as adjacent phasors ``z_i = (x[2i], x[2i+1])``. Each phasor'
 magnitude is ``r_i = sqrt(x[2i]^2 + x[2i+1]^2 + eps)`` (root first), the scale of a group
 is the plain mean ``S = mean_i r_i`` (then mean), and ``y[2i:2i+2] = w_i * z_i / S``
 (``shared/PAPER.md``). Differentiable by autograd; works on any device and layout, inside
-``torch.compile``, under tracing and on meta tensors. Imports nothing else of the op.
+``torch.compile``, under tracing, on meta tensors and in TorchScript (the modules' scripted
+forward calls it: lists rather than tuples of dims, no global tuples). Imports nothing else
+of the op.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _pairs(x: Tensor, channel_dim: int) -> tuple[Tensor, Tensor]:
 def _scale(xf: Tensor, eps: float, channel_dim: int, spatial: bool) -> Tensor:
     even, odd = _pairs(xf, channel_dim)  # (..., P, ...)
     r = (even * even + odd * odd + eps).sqrt()  # (..., P, ...) phasor magnitudes
-    dims = tuple(range(1, xf.ndim)) if spatial else (channel_dim,)
+    dims = list(range(1, xf.ndim)) if spatial else [channel_dim]
     return r.mean(dim=dims, keepdim=True)  # (..., 1, ...)
 
 
@@ -49,5 +51,5 @@ def mrs_norm_reference(
     if weight is not None:
         # each phasor's weight on both of its channels, broadcast along the channel dim
         w = weight.to(xf.dtype).repeat_interleave(2)  # (C,)
-        y = y * w.view((-1,) + (1,) * (x.ndim - 1 - channel_dim))  # (C, 1, ..., 1)
+        y = y * w.view([-1] + [1] * (x.ndim - 1 - channel_dim))  # (C, 1, ..., 1)
     return y.to(x.dtype)

@@ -67,7 +67,8 @@ def _group_sum(r: Tensor, spatial: bool, inner: int) -> Tensor:
     return r.sum(dim=inner, keepdim=True).sum(dim=3 - inner, keepdim=True)
 
 
-def _sample_sums(gf, xf, w2, inv_s, pos_dim: int):
+def _sample_sums(gf: Tensor, xf: Tensor, w2: Optional[Tensor], inv_s: Tensor,
+                 pos_dim: int) -> tuple[Tensor, Optional[Tensor]]:
     """Per-sample ``c = sum w g x`` and ``dw2 = sum_a (1/S_a) sum g x``, from one pass.
 
     Like GroupNorm's backward: per (sample, channel) sums ``gx = sum_l g x`` (one read of
@@ -83,7 +84,8 @@ def _sample_sums(gf, xf, w2, inv_s, pos_dim: int):
 # --- channels innermost: x3 is (A, L, C) with stride 1 along C (tokens, NHWC) -------------
 # The partner of channel c is x[c+1] (even c) or x[c-1] (odd c): two contiguous shifted
 # loads, where the strided even/odd views would make Inductor emit scalar code.
-def _fwd_last(x3, w2, even_mask, eps: float, spatial: bool):
+def _fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float,
+              spatial: bool) -> tuple[Tensor, Tensor]:
     xf = x3.to(compute_dtype(x3.dtype))  # (A, L, C)
     nxt = F.pad(xf[..., 1:], (0, 1))  # (A, L, C): x[c+1]
     r = torch.sqrt(xf * xf + nxt * nxt + eps) * even_mask  # r of pair c/2 on even c, else 0
@@ -95,14 +97,15 @@ def _fwd_last(x3, w2, even_mask, eps: float, spatial: bool):
     return y.to(x3.dtype), r_sum
 
 
-def _bwd_last(x3, w2, even_mask, r_sum, g3, eps: float, spatial: bool):
-    ct = r_sum.dtype
-    xf, gf = x3.to(ct), g3.to(ct)  # (A, L, C)
+def _bwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, r_sum: Tensor, g3: Tensor, eps: float,
+              spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
+    compute = r_sum.dtype  # the forward's compute dtype (float32 for half inputs)
+    xf, gf = x3.to(compute), g3.to(compute)  # (A, L, C)
     nxt = F.pad(xf[..., 1:], (0, 1))  # x[c+1]
     prv = F.pad(xf[..., :-1], (1, 0))  # x[c-1]
     partner = nxt * even_mask + prv * (1 - even_mask)  # the other channel of c's phasor
     rinv = torch.rsqrt(xf * xf + partner * partner + eps)  # (A, L, C), recomputed
-    gw = gf * w2.to(ct) if w2 is not None else gf
+    gw = gf * w2.to(compute) if w2 is not None else gf
     dims = (1, 2) if spatial else (2,)
     n_pairs = (x3.shape[2] // 2) * (x3.shape[1] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1|L, 1)
@@ -119,7 +122,7 @@ def _bwd_last(x3, w2, even_mask, r_sum, g3, eps: float, spatial: bool):
 
 
 # --- channels strided: x3 is (A, C, L) (NCHW); vectorised along the positions L ---------
-def _fwd_first(x3, w2, eps: float, spatial: bool):
+def _fwd_first(x3: Tensor, w2: Optional[Tensor], eps: float, spatial: bool) -> tuple[Tensor, Tensor]:
     xf = x3.to(compute_dtype(x3.dtype))  # (A, C, L)
     even, odd = xf[:, 0::2], xf[:, 1::2]  # (A, P, L) strided views
     r = torch.sqrt(even * even + odd * odd + eps)  # (A, P, L)
@@ -131,13 +134,14 @@ def _fwd_first(x3, w2, eps: float, spatial: bool):
     return y.to(x3.dtype), r_sum
 
 
-def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
-    ct = r_sum.dtype
-    xf, gf = x3.to(ct), g3.to(ct)  # (A, C, L)
+def _bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+               spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
+    compute = r_sum.dtype  # the forward's compute dtype (float32 for half inputs)
+    xf, gf = x3.to(compute), g3.to(compute)  # (A, C, L)
     even, odd = xf[:, 0::2], xf[:, 1::2]  # (A, P, L)
     rinv = torch.rsqrt(even * even + odd * odd + eps)  # (A, P, L), recomputed
     rinv2 = rinv.unsqueeze(2).expand(-1, -1, 2, -1).flatten(1, 2)  # (A, C, L)
-    gw = gf * w2.to(ct).unsqueeze(1) if w2 is not None else gf
+    gw = gf * w2.to(compute).unsqueeze(1) if w2 is not None else gf
     dims = (1, 2) if spatial else (1,)
     n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1, L|1)
@@ -146,7 +150,7 @@ def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
         # c / S and dw come from this small (A, C) tensor. Scaling by 1/S inside the pass
         # rather than after it measured ~25 % faster (1 thread, CPU time).
         gxs = (gf * xf * inv_s).sum(dim=2)  # (A, C)
-        cs = (gxs * w2.to(ct) if w2 is not None else gxs).sum(1).view(-1, 1, 1)  # c / S
+        cs = (gxs * w2.to(compute) if w2 is not None else gxs).sum(1).view(-1, 1, 1)  # c / S
         k = cs * inv_s / n_pairs  # (A, 1, 1)
         dw2 = gxs.sum(0) if w2 is not None else None  # (C,)
     else:
@@ -160,30 +164,33 @@ def _bwd_first(x3, w2, r_sum, g3, eps: float, spatial: bool):
 
 # Distinct code objects, so that a compiled version of each keeps its own Dynamo cache (the
 # recompile limit is per code object).
-def fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float, spatial: bool):
+def fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float,
+             spatial: bool) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` for ``x3`` of shape ``(A, L, C)``, channels contiguous."""
     return _fwd_last(x3, w2, even_mask, eps, spatial)
 
 
 def bwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, r_sum: Tensor, g3: Tensor, eps: float,
-             spatial: bool):
+             spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` of :func:`fwd_last` for the upstream gradient ``g3``."""
     return _bwd_last(x3, w2, even_mask, r_sum, g3, eps, spatial)
 
 
-def fwd_first(x3: Tensor, w2: Optional[Tensor], eps: float, spatial: bool):
+def fwd_first(x3: Tensor, w2: Optional[Tensor], eps: float, spatial: bool) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` for ``x3`` of shape ``(A, C, L)``, channels strided."""
     return _fwd_first(x3, w2, eps, spatial)
 
 
-def bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, spatial: bool):
+def bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+              spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` of :func:`fwd_first` for the upstream gradient ``g3``."""
     return _bwd_first(x3, w2, r_sum, g3, eps, spatial)
 
 
-BODIES: dict[str, Callable] = {"fwd_last": fwd_last, "bwd_last": bwd_last, "fwd_first": fwd_first,
-                               "bwd_first": bwd_first}
-_MASKS: dict[tuple, Tensor] = {}
+BODIES: dict[str, Callable[..., tuple[Tensor, Optional[Tensor]]]] = {
+    "fwd_last": fwd_last, "bwd_last": bwd_last, "fwd_first": fwd_first, "bwd_first": bwd_first,
+}
+_MASKS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}  # (C, dtype, device) -> mask
 
 
 def _even_mask(x3: Tensor) -> Tensor:
@@ -203,7 +210,8 @@ def _eager(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
     return BODIES[name](*args)
 
 
-def call_forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout, run: Runner = _eager):
+def call_forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout,
+                 run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
     """``(y3, r_sum)`` through the body of ``layout``, executed by ``run``."""
     if layout.last:
         return run("fwd_last", x3, w2, _even_mask(x3), eps, layout.spatial)
@@ -211,14 +219,14 @@ def call_forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout, r
 
 
 def call_backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout,
-                  run: Runner = _eager):
+                  run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` through the body of ``layout``, executed by ``run``."""
     if layout.last:
         return run("bwd_last", x3, w2, _even_mask(x3), r_sum, g3, eps, layout.spatial)
     return run("bwd_first", x3, w2, r_sum, g3, eps, layout.spatial)
 
 
-# --- the backend interface (see lightning_mrs.ops.backends) ---------------------------------
+# --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     """The plain bodies run everywhere (any device, dtype and layout)."""
     return None

@@ -20,7 +20,9 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype MRSNorm computes in for inputs of ``dtype``: float32 for float16/bfloat16
     (``x^2`` of a half overflows past 256), the dtype itself otherwise."""
-    return torch.float32 if dtype in HALF_DTYPES else dtype
+    # two comparisons rather than ``in HALF_DTYPES``: TorchScript cannot read a global tuple,
+    # and the reference formula that calls this is scripted by the modules' TorchScript path
+    return torch.float32 if dtype == torch.float16 or dtype == torch.bfloat16 else dtype
 
 
 def phasor_channel_dim(x: Tensor, channel_dim: int, caller: str) -> int:
@@ -90,6 +92,12 @@ def check_inputs(
         if not weight.is_floating_point():
             raise ValueError(
                 f"{caller}: weight must be a floating-point tensor, got dtype {weight.dtype}."
+            )
+        if weight.is_meta and not x.is_meta:
+            raise RuntimeError(
+                f"{caller}: the weight is on the meta device (shape only, no values), the input on "
+                f"{x.device}. Materialise the layer first: module.to_empty(device=x.device) then "
+                "module.reset_parameters(), or load_state_dict(state, assign=True)."
             )
         if weight.device != x.device:
             raise RuntimeError(

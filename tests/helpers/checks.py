@@ -1,40 +1,69 @@
-"""Checks shared by the tests of the fused MRSNorm paths (test_fused.py, test_kernels_cpu.py):
-inputs, gradients, the comparison with the float64 reference, and saved-tensor bytes."""
+"""Checks shared by the op tests: inputs, one backend forced, gradients, the comparison with
+the independent float64 reference (:mod:`helpers.reference`), a small model with every
+MRSNorm module, and saved-tensor bytes."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_mrs import mrs_norm
+from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
+from lightning_mrs.ops.function import fused_mrs_norm
+from lightning_mrs.ops.validation import check_inputs
 from helpers.reference import mrs_norm_ref
 
-# (atol, rtol) per dtype, relative to outputs/gradients of size ~1
+#: (atol, rtol) of the output per input dtype, for outputs of size ~1; the gradients get 10x.
 TOLS = {
     torch.float64: (1e-9, 1e-9),
     torch.float32: (2e-5, 2e-5),
     torch.bfloat16: (3e-2, 3e-2),
     torch.float16: (4e-3, 4e-3),
 }
+#: The fused backends that run on the CPU (``triton`` needs CUDA or its interpreter).
+CPU_BACKENDS = ("torch", "inductor", "cpp")
+
+Norm = Callable[[Tensor, Optional[Tensor]], Tensor]  # (x, weight) -> y
+Grads = tuple[Tensor, Tensor, Optional[Tensor]]  # (y, dx, dw)
 
 
-def make_inputs(shape, cd, memory_format, dtype, affine=True, seed=0):
+def make_inputs(
+    shape: tuple[int, ...],
+    channel_dim: int,
+    memory_format: Optional[torch.memory_format],
+    dtype: torch.dtype,
+    affine: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """``(x, w, gy)``: input (scaled by 3), per-phasor weight in [0.5, 1.5) or ``None``, and
     an upstream gradient, drawn in float64 and cast to ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
     if memory_format is not None:
         x = x.contiguous(memory_format=memory_format)
-    c = shape[cd]
-    w = (torch.rand(c // 2, generator=g, dtype=torch.float64) + 0.5).to(dtype) if affine else None
+    w = (torch.rand(shape[channel_dim] // 2, generator=g, dtype=torch.float64) + 0.5).to(dtype) if affine else None
     gy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-    return x, w, gy
+    return x.to(device), (None if w is None else w.to(device)), gy.to(device)
 
 
-def grads(fn, x, w, gy):
-    """``(y, dx, dw)`` of ``y = fn(x, w)`` for the upstream gradient ``gy``."""
+def forced(backend: str, channel_dim: int = -1, spatial: bool = False) -> Norm:
+    """``mrs_norm`` with ``backend`` forced. ``"torch"`` is internal (not a value of the public
+    ``backend``): it runs through the fused Function after the same argument checks."""
+    if backend != "torch":
+        return lambda x, w: mrs_norm(x, w, channel_dim=channel_dim, spatial=spatial, backend=backend)
+
+    def torch_backend(x: Tensor, w: Optional[Tensor]) -> Tensor:
+        dim = check_inputs(x, w, 1e-6, channel_dim, spatial)
+        return fused_mrs_norm(x, w, 1e-6, dim, spatial, "torch")
+
+    return torch_backend
+
+
+def grads(fn: Norm, x: Tensor, w: Optional[Tensor], gy: Tensor) -> Grads:
+    """``(y, dx, dw)`` of ``y = fn(x, w)`` for the upstream gradient ``gy`` (``x`` and ``w``
+    become fresh leaves with their own strides)."""
     x = x.detach().requires_grad_()
     w = w.detach().requires_grad_() if w is not None else None
     y = fn(x, w)
@@ -42,26 +71,68 @@ def grads(fn, x, w, gy):
     return y, x.grad, (w.grad if w is not None else None)
 
 
-def check_against_reference(backend: str, layout: tuple, dtype: torch.dtype, affine: bool = True) -> None:
-    """``mrs_norm(backend=...)`` equals the float64 reference in output, input and weight
-    gradient for ``layout = (shape, channel_dim, spatial, memory_format)``; the output and
-    the input gradient keep the input's dtype and strides."""
-    shape, cd, spatial, mf = layout
-    x, w, gy = make_inputs(shape, cd, mf, dtype, affine)
-    y, dx, dw = grads(lambda a, b: mrs_norm(a, b, channel_dim=cd, spatial=spatial, backend=backend), x, w, gy)
-    y_r, dx_r, dw_r = grads(
-        lambda a, b: mrs_norm_ref(a, b, channel_dim=cd, spatial=spatial), x.double(),
-        None if w is None else w.double(), gy.double(),
+def same_layout(a: Tensor, b: Tensor) -> bool:
+    """``a`` and ``b`` have the same strides, ignoring size-1 dims (whose stride means nothing)."""
+    return a.shape == b.shape and all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def is_dense(x: Tensor) -> bool:
+    """``x`` is non-overlapping and dense (a permutation of a contiguous tensor): torch's own
+    ``empty_like`` keeps its layout then."""
+    return x.numel() > 0 and same_layout(torch.empty_like(x), x)
+
+
+def assert_matches_reference(
+    got: Grads, x: Tensor, w: Optional[Tensor], gy: Tensor, channel_dim: int, spatial: bool
+) -> None:
+    """``got = (y, dx, dw)`` of MRSNorm equals the float64 reference within the tolerance of
+    ``x``'s dtype; ``y`` and ``dx`` have ``x``'s dtype, ``dw`` the weight's, and ``y`` keeps
+    the strides of a dense ``x`` (its memory format)."""
+    y, dx, dw = got
+    ref = grads(
+        lambda a, b: mrs_norm_ref(a, b, channel_dim=channel_dim, spatial=spatial),
+        x.double(), None if w is None else w.double(), gy.double(),
     )
-    atol, rtol = TOLS[dtype]
-    assert y.dtype == dtype and dx.dtype == dtype
-    assert y.shape == x.shape and y.stride() == x.stride() and dx.stride() == x.stride()  # memory format kept
-    torch.testing.assert_close(y.double(), y_r, atol=atol, rtol=rtol)
-    torch.testing.assert_close(dx.double(), dx_r, atol=atol * 10, rtol=rtol * 10)
-    if affine:
-        assert dw.dtype == dtype
-        # dw sums over many positions: compare relative to its size
-        torch.testing.assert_close(dw.double(), dw_r, atol=atol * 10 * dw_r.abs().max().item(), rtol=rtol * 10)
+    atol, rtol = TOLS[x.dtype]
+    assert y.dtype == x.dtype and dx.dtype == x.dtype, (y.dtype, dx.dtype, x.dtype)
+    assert y.shape == x.shape and dx.shape == x.shape
+    if is_dense(x):
+        assert same_layout(y, x), f"memory format lost: {y.stride()} for an input with {x.stride()}"
+    torch.testing.assert_close(y.double(), ref[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(dx.double(), ref[1], atol=10 * atol, rtol=10 * rtol)
+    if w is not None:
+        assert dw is not None and dw.dtype == w.dtype
+        atol, rtol = max(TOLS[x.dtype], TOLS[w.dtype])  # dw is rounded to the weight's dtype
+        # dw sums over every position of the batch: compare relative to its size
+        scale = max(ref[2].abs().max().item(), 1.0)
+        torch.testing.assert_close(dw.double(), ref[2], atol=10 * atol * scale, rtol=10 * rtol)
+
+
+def check_against_reference(
+    backend: str, layout: tuple, dtype: torch.dtype, affine: bool = True, device: str = "cpu"
+) -> None:
+    """``backend`` forced on ``layout = (shape, channel_dim, spatial, memory_format)``: output,
+    input gradient and weight gradient equal the float64 reference; strides kept."""
+    shape, channel_dim, spatial, memory_format = layout
+    x, w, gy = make_inputs(shape, channel_dim, memory_format, dtype, affine, device=device)
+    got = grads(forced(backend, channel_dim, spatial), x, w, gy)
+    assert_matches_reference(got, x, w, gy, channel_dim, spatial)
+    assert same_layout(got[1], x)  # the input gradient in the input's layout too
+
+
+def norm_model() -> nn.Sequential:
+    """A small conv net with every MRSNorm module (per sample, per position, channels-last),
+    weights away from 1; input ``(N, 3, 6, 6)``."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), MRSNorm2d(8, spatial=True), nn.GELU(), MRSNorm2d(8),
+        nn.Flatten(), nn.Linear(8 * 6 * 6, 16), MRSNorm(16),
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model:
+            if isinstance(layer, (MRSNorm, MRSNorm2d)):
+                layer.weight.copy_(torch.rand(layer.weight.shape, generator=g) + 0.5)
+    return model
 
 
 def saved_bytes(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[Tensor, int]:

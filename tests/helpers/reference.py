@@ -1,7 +1,7 @@
 """Independent float64 references: MRSNorm, written straight from PAPER.md, and the attention
 figures of ``AttentionMonitor`` from a materialised softmax.
 
-Deliberately formulated differently from ``lightning_mrs.functional`` (channel dim moved
+Deliberately formulated differently from ``lightning_mrs.ops.reference`` (channel dim moved
 last, an explicit ``(..., P, 2)`` pair axis, ``torch.linalg.vector_norm`` for the magnitude)
 so that the two can catch each other's mistakes. Differentiable, for gradient references.
 """
@@ -23,11 +23,11 @@ def mrs_norm_ref(
 ) -> Tensor:
     """``y = w_i * z_i / S`` with ``S = mean_i sqrt(|z_i|^2 + eps)``, computed in float64."""
     x64 = x.double().movedim(channel_dim, -1)  # (..., C)
-    pairs = x64.reshape(*x64.shape[:-1], -1, 2)  # (..., P, 2)
+    pairs = x64.reshape(*x64.shape[:-1], x64.shape[-1] // 2, 2)  # (..., P, 2); explicit P: empty inputs
     r = torch.sqrt(torch.linalg.vector_norm(pairs, dim=-1) ** 2 + eps)  # (..., P)
     if spatial:
         # one S per sample: the mean over every phasor at every position
-        s = r.reshape(r.shape[0], -1).mean(dim=1).reshape((-1,) + (1,) * (r.ndim - 1))
+        s = r.flatten(1).mean(dim=1).reshape((-1,) + (1,) * (r.ndim - 1))
     else:
         s = r.mean(dim=-1, keepdim=True)  # (..., 1)
     y = pairs / s.unsqueeze(-1)  # (..., P, 2)

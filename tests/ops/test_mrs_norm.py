@@ -1,4 +1,9 @@
-"""``lightning_mrs.mrs_norm`` against the independent float64 reference of PAPER.md."""
+"""``lightning_mrs.mrs_norm`` (``backend="auto"``) against the independent float64 reference of
+PAPER.md over ranks 1 to 5 and odd sizes, half precision computed in fp32, and ``mrs_scale``.
+
+Layouts are in ``test_layout_matrix.py``, random shapes and strides in ``test_fuzz.py``,
+each backend in ``test_backends.py`` and the argument checks in ``test_validation.py``.
+"""
 
 from __future__ import annotations
 
@@ -48,15 +53,6 @@ def test_channels_first_matches_reference(shape, dtype, spatial):
     _check(y, mrs_norm_ref(x, w, channel_dim=1, spatial=spatial), dtype)
 
 
-def test_float64_error_is_below_1e9():
-    torch.manual_seed(2)
-    x = torch.randn(4, 12, 5, 3, dtype=torch.float64) * 100
-    w = torch.randn(6, dtype=torch.float64)
-    for spatial in (False, True):
-        err = (mrs_norm(x, w, channel_dim=1, spatial=spatial) - mrs_norm_ref(x, w, 1e-6, 1, spatial)).abs().max()
-        assert err < 1e-9
-
-
 def test_spatial_modes_differ_and_share_scale():
     x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
     per_pos = mrs_scale(x, channel_dim=1)
@@ -88,64 +84,3 @@ def test_fp16_outlier_of_60000_stays_finite_and_correct():
     y = mrs_norm(x, w)
     assert torch.isfinite(y).all()
     _check(y, mrs_norm_ref(x, w), torch.float16)
-
-
-def test_float64_stays_float64_and_zero_input_gives_zero():
-    x = torch.zeros(3, 8, dtype=torch.float64, requires_grad=True)
-    w = torch.ones(4, dtype=torch.float64, requires_grad=True)
-    y = mrs_norm(x, w)
-    assert y.dtype == torch.float64
-    assert torch.equal(y, torch.zeros_like(y))
-    y.sum().backward()
-    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_zeros_give_finite_gradients_in_every_dtype(dtype):
-    x = torch.zeros(2, 6, 3, 3, dtype=dtype, requires_grad=True)
-    y = mrs_norm(x, channel_dim=1, spatial=True)
-    (y.float() * torch.randn_like(y.float())).sum().backward()
-    assert torch.isfinite(x.grad).all()
-    assert torch.count_nonzero(y) == 0
-
-
-def test_channels_last_memory_format_is_kept_and_correct():
-    torch.manual_seed(4)
-    x = torch.randn(2, 8, 5, 6).to(memory_format=torch.channels_last)
-    w = torch.randn(4)
-    for spatial in (False, True):
-        y = mrs_norm(x, w, channel_dim=1, spatial=spatial)
-        assert y.is_contiguous(memory_format=torch.channels_last)
-        _check(y, mrs_norm_ref(x, w, channel_dim=1, spatial=spatial), torch.float32)
-
-
-def test_non_contiguous_input():
-    x = torch.randn(6, 10, dtype=torch.float64).t()  # (10, 6), strided
-    _check(mrs_norm(x), mrs_norm_ref(x), torch.float64)
-
-
-# ---------------------------------------------------------------------------- errors
-def test_integer_input_is_rejected():
-    with pytest.raises(ValueError, match="floating-point"):
-        mrs_norm(torch.ones(2, 4, dtype=torch.int64))
-
-
-def test_odd_channel_count_is_rejected_with_the_fix():
-    with pytest.raises(ValueError, match=r"even.*got 5 channels"):
-        mrs_norm(torch.randn(2, 5))
-
-
-def test_weight_of_wrong_shape_names_both_sizes():
-    with pytest.raises(ValueError, match=r"\(4,\).*\(8,\)"):
-        mrs_norm(torch.randn(2, 8), torch.ones(8))
-
-
-@pytest.mark.parametrize("eps", [0.0, -1.0])
-def test_non_positive_eps_is_rejected(eps):
-    with pytest.raises(ValueError, match="eps"):
-        mrs_norm(torch.randn(2, 8), eps=eps)
-
-
-def test_channel_dim_out_of_range():
-    with pytest.raises(ValueError, match="channel_dim"):
-        mrs_norm(torch.randn(2, 8), channel_dim=2)

@@ -1,0 +1,102 @@
+"""What is particular to the ``inductor`` backend (``lightning_mrs.ops.inductor_kernels``):
+the eager fallback when compiling fails, input errors that must not be mistaken for a compile
+failure, and compiled code reused across batch sizes. Its results against the float64
+reference are in ``test_backends.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lightning_mrs import MRSNorm2d, mrs_norm
+from lightning_mrs.ops import dispatch, inductor_kernels, which_backend
+from lightning_mrs.ops.layout import Layout
+from helpers.checks import assert_matches_reference, forced, grads, make_inputs
+
+# Inductor's CPU code needs a C++ compiler; without one the backend runs the eager bodies
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(name) for name in (os.environ.get("CXX", "c++"), "g++", "clang++")),
+    reason="no C++ compiler: Inductor cannot compile for the CPU",
+)
+
+
+@pytest.fixture
+def fresh_compile_state() -> Iterator[None]:
+    """No compile failure recorded, and the compiled functions and choices restored after."""
+    saved_failed, saved_compiled = list(inductor_kernels._FAILED), dict(inductor_kernels._COMPILED)
+    inductor_kernels._FAILED.clear()
+    dispatch.clear_cache()
+    yield
+    inductor_kernels._FAILED[:] = saved_failed
+    inductor_kernels._COMPILED.clear()
+    inductor_kernels._COMPILED.update(saved_compiled)
+    dispatch.clear_cache()
+
+
+def test_compile_failure_falls_back_to_eager_with_one_warning(
+    fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("no C++ compiler found (simulated)")
+
+    monkeypatch.setattr(inductor_kernels, "_compiled", lambda name: broken)
+    x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
+    with pytest.warns(RuntimeWarning, match="falling back to the eager implementation"):
+        got = grads(forced("inductor"), x, w, gy)
+    assert "simulated" in inductor_kernels.compile_failed()
+    assert_matches_reference(got, x, w, gy, -1, False)  # the eager bodies took over
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per process, not per call
+        again = grads(forced("inductor"), x, w, gy)
+    assert_matches_reference(again, x, w, gy, -1, False)
+    # and auto no longer picks the compiled path, even for a large tensor
+    monkeypatch.setenv("LIGHTNING_MRS_COMPILE_MIN_NUMEL", "64")
+    dispatch.clear_cache()
+    assert which_backend(torch.randn(2, 64, 4, 4), channel_dim=1) == "torch"
+
+
+def test_input_errors_are_not_swallowed_by_the_fallback(fresh_compile_state: None) -> None:
+    # a weight of the wrong width reaches the kernel only when called directly (mrs_norm checks
+    # it first): the compiled call fails, the eager retry fails the same way and that error is
+    # raised as it is, without disabling the compiled path
+    x3 = torch.randn(4, 1, 8)  # (A, L, C)
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        inductor_kernels.forward(x3, torch.ones(6), 1e-6, Layout(last=True, spatial=False))
+    assert inductor_kernels.compile_failed() is None
+    with pytest.raises(ValueError, match="even"):
+        mrs_norm(torch.randn(512, 63), backend="inductor")
+    assert inductor_kernels.compile_failed() is None
+
+
+@needs_compiler
+def test_fewer_rows_than_the_weight_gradient_block_keeps_the_compiled_path() -> None:
+    # 5 rows < the 8-row blocks of the dw column sum (torch_kernels._col_sum): must compile,
+    # not fall back to the eager bodies
+    x, w, gy = make_inputs((5, 64), -1, None, torch.float32)
+    got = grads(forced("inductor"), x, w, gy)
+    assert inductor_kernels.compile_failed() is None
+    assert_matches_reference(got, x, w, gy, -1, False)
+
+
+@needs_compiler
+def test_new_batch_sizes_do_not_recompile() -> None:
+    norm = MRSNorm2d(64, spatial=True)
+    norm.backend = "inductor"
+
+    def step(batch: int) -> None:
+        x = torch.randn(batch, 64, 5, 7, requires_grad=True)
+        norm(x).sum().backward()
+
+    step(16)  # compiles (or reuses) the graphs of this shape family
+    before = counters["stats"]["unique_graphs"]
+    for batch in (24, 40, 64):  # multiples of 8: the same specialisation of the dw sums
+        step(batch)
+    assert counters["stats"]["unique_graphs"] == before
+    assert inductor_kernels.compile_failed() is None
