@@ -28,6 +28,8 @@ _COMPILE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMPILED: dict[str, Callable] = {}  # one compiled function per body, for the process
 _LOCK = threading.Lock()
 _FAILED: list[str] = []  # the first compile error, if any (then everything runs eagerly)
+_RECOMPILE_LIMIT = 64  # compiled variants per body (dtype x memory layout; sizes are dynamic)
+_LIMITED: set[str] = set()  # bodies that reached the limit (warned once each)
 
 
 def _dynamic() -> bool:
@@ -43,9 +45,9 @@ def _disable(err: BaseException) -> None:
     if not _FAILED:
         _FAILED.append(f"{type(err).__name__}: {err}")
         warnings.warn(
-            "lightning_mrs: compiling the fused MRSNorm kernels failed, falling back to the "
-            f"eager implementation for the rest of this process ({_FAILED[0][:300]}). "
-            "Install a C++ compiler (CPU) or pass backend='eager' to silence this warning.",
+            "lightning_mrs: compiling the fused MRSNorm kernels failed, so their plain torch bodies run "
+            f"eagerly for the rest of this process (same results, slower): {_FAILED[0][:300]}. If the error "
+            "is about a C++ compiler, install one (g++); backend='eager' avoids compiling altogether.",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -58,7 +60,7 @@ def _compiled(name: str) -> Callable:
             fn = _COMPILED.get(name)
             if fn is None:
                 body = torch_kernels.BODIES[name]
-                fn = torch.compile(body, fullgraph=True, dynamic=_dynamic(), recompile_limit=64)
+                fn = torch.compile(body, fullgraph=True, dynamic=_dynamic(), recompile_limit=_RECOMPILE_LIMIT)
                 _COMPILED[name] = fn
     return fn
 
@@ -76,8 +78,23 @@ def _run(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
         return fn(*args)
     except Exception as err:  # no C++ compiler, unsupported platform, Inductor bug
         out = torch_kernels.BODIES[name](*args)  # a genuine input error re-raises here, untouched
-        _disable(err)
+        if type(err).__name__ == "FailOnRecompileLimitHit":  # this body, new variants only
+            _warn_limit(name)
+        else:
+            _disable(err)
         return out
+
+
+def _warn_limit(name: str) -> None:
+    if name not in _LIMITED:
+        _LIMITED.add(name)
+        warnings.warn(
+            f"lightning_mrs: the compiled MRSNorm body {name!r} reached Dynamo's limit of {_RECOMPILE_LIMIT} "
+            "variants (dtypes and memory layouts); new variants run its plain torch body eagerly (same results, "
+            "slower), the compiled ones stay in use.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 # --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------

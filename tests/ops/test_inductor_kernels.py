@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import types
 import warnings
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lightning_mrs import MRSNorm2d, mrs_norm
-from lightning_mrs.ops import dispatch, inductor_kernels, which_backend
+from lightning_mrs.ops import dispatch, inductor_kernels, torch_kernels, which_backend
 from lightning_mrs.ops.layout import Layout
 from helpers.checks import assert_matches_reference, forced, grads, make_inputs
 
@@ -40,6 +41,29 @@ def fresh_compile_state() -> Iterator[None]:
     dispatch.clear_cache()
 
 
+@needs_compiler
+def test_the_recompile_limit_falls_back_for_new_variants_only(
+    fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Dynamo raises FailOnRecompileLimitHit (fullgraph=True) once a body has its limit of
+    # variants: the new variant runs eagerly, the backend stays enabled for the others
+    monkeypatch.setattr(inductor_kernels, "_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(inductor_kernels, "_LIMITED", set())
+    inductor_kernels._COMPILED.clear()
+    for name in ("fwd_last", "bwd_last"):  # fresh code objects: Dynamo counts variants per code object
+        body = torch_kernels.BODIES[name]
+        copy = types.FunctionType(body.__code__.replace(), body.__globals__, name, body.__defaults__, body.__closure__)
+        monkeypatch.setitem(torch_kernels.BODIES, name, copy)
+    x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
+    first = grads(forced("inductor"), x, w, gy)  # compiles the forward and backward bodies
+    x16, w16, gy16 = (t.to(torch.float16) for t in (x, w, gy))  # another dtype: a new variant
+    with pytest.warns(RuntimeWarning, match="reached Dynamo's limit of 1 variants"):
+        second = grads(forced("inductor"), x16, w16, gy16)
+    assert inductor_kernels.compile_failed() is None
+    assert_matches_reference(first, x, w, gy, -1, False)
+    assert_matches_reference(second, x16, w16, gy16, -1, False)
+
+
 def test_compile_failure_falls_back_to_eager_with_one_warning(
     fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -48,7 +72,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(
 
     monkeypatch.setattr(inductor_kernels, "_compiled", lambda name: broken)
     x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
-    with pytest.warns(RuntimeWarning, match="falling back to the eager implementation"):
+    with pytest.warns(RuntimeWarning, match="their plain torch bodies run eagerly for the rest of this process"):
         got = grads(forced("inductor"), x, w, gy)
     assert "simulated" in inductor_kernels.compile_failed()
     assert_matches_reference(got, x, w, gy, -1, False)  # the eager bodies took over
