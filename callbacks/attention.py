@@ -25,27 +25,27 @@ How a logging step works (the steps are Lightning's own,
    host, logged from rank zero through every logger; TensorBoard also gets, once, the
    "Attention" custom-scalars layout.
 
-Between logging steps no hook is registered and nothing runs but a step-number check.
+Between logging steps no hook is registered and nothing runs but a step-number check. The
+life cycle (when to open and close a capture, logging, warnings, state) is
+:class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds what is
+watched and computed.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from functools import partial
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
-from lightning_mrs.callbacks.logging_steps import LoggingSteps
-from lightning_mrs.callbacks.tb_layout import ATTENTION, tensorboard_experiment
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count
+from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
 
 __all__ = ["AttentionMonitor"]
@@ -85,7 +85,7 @@ def _reduce(strategy: Any, flat: torch.Tensor, op: str) -> torch.Tensor:
         return strategy.all_gather(flat).reshape(-1, flat.numel()).amax(dim=0)  # (world, n) -> (n,)
 
 
-class AttentionMonitor(Callback):
+class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     """Log the logits and softmax of every attention layer as ``attention/<layer>/<stat>``.
 
     Per layer, from the per-head queries and keys that enter the logits (the outputs of the
@@ -131,6 +131,9 @@ class AttentionMonitor(Callback):
         >>> trainer = pl.Trainer(callbacks=[AttentionMonitor(max_queries=128)])  # doctest: +SKIP
     """
 
+    owner = "AttentionMonitor"
+    board = ATTENTION
+
     def __init__(
         self,
         log_every_n_steps: Optional[int] = None,
@@ -140,50 +143,24 @@ class AttentionMonitor(Callback):
         include: Optional[str] = None,
         dashboard: bool = True,
     ) -> None:
-        super().__init__()
-        for name, value in (("log_every_n_steps", log_every_n_steps), ("max_queries", max_queries)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"AttentionMonitor: {name} must be None or an int >= 1, got {value!r}.")
+        super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
+        check_count(self.owner, "max_queries", max_queries)
         if isinstance(collapse_threshold, bool) or not isinstance(collapse_threshold, (int, float)) or not (
             0.0 < collapse_threshold < 1.0
         ):
             raise ValueError(f"AttentionMonitor: collapse_threshold must lie in (0, 1) (a softmax weight), got "
                              f"{collapse_threshold!r}.")
-        try:
-            self._include = re.compile(include) if include is not None else None
-        except re.error as err:
-            raise ValueError(f"AttentionMonitor: include={include!r} is not a valid regex: {err}.") from err
-        self.log_every_n_steps = log_every_n_steps
         self.max_queries = max_queries
         self.collapse_threshold = float(collapse_threshold)
-        self.include = include
-        self.dashboard = dashboard
-        self._n_logs = 0  # persistent (state_dict), with the steps' count
-        self._steps = LoggingSteps("AttentionMonitor", "attention/*")
-        self._capture: Optional[AttentionCapture] = None
-        self._start_step = 0
-        self._layout_written = False
-        self._warned: set[str] = set()
 
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(log_every_n_steps=self.log_every_n_steps, include=self.include)
-
-    def _interval(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
-
+    @override
     def _discover(self, pl_module: pl.LightningModule) -> list[WatchedLayer]:
         found = list(iter_attention_layers(pl_module))
         # a q_norm/k_norm module that two hooks would share (within a layer or across layers)
         uses = Counter(id(m) for _, module, _ in found for m in (module.q_norm, module.k_norm))
         layers, skipped, unseen = [], [], []
         for name, module, info in found:
-            if self._include is not None and not self._include.search(name):
+            if not self._included(name):
                 continue
             reason = _skip_reason(info)
             if reason is None and (uses[id(module.q_norm)] > 1 or uses[id(module.k_norm)] > 1):
@@ -210,44 +187,24 @@ class AttentionMonitor(Callback):
                 "swap); nothing will be logged."))
         return layers
 
-    def _drop_capture(self) -> None:
-        if self._capture is not None:
-            self._capture.disarm()
-            self._capture = None
-
-    def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
-        if trainer.loggers:
-            message = self._steps.no_logging_step(self._start_step, end, self._interval(trainer), ended)
-            if message is not None:
-                self._warn_once("interval", message)
+    @override
+    def _open_capture(self, layers: list[WatchedLayer], step: int, pl_module: pl.LightningModule) -> AttentionCapture:
+        return AttentionCapture(layers, step, pl_module.device, self.max_queries, self.collapse_threshold,
+                                self._warn_once)
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        guessed = self._steps.start(trainer, pl_module)
-        if guessed is not None:
-            self._warn_once("resume", guessed)
-        self._start_step = self._steps.current(trainer, pl_module)
-        self._warn_interval(trainer, LoggingSteps.run_length(trainer), ended=False)
+        super().on_train_start(trainer, pl_module)
         self._discover(pl_module)  # warnings now, not at the first logging step
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        step = self._steps.current(trainer, pl_module)
-        capture = self._capture
-        if capture is not None and (LoggingSteps.manual(pl_module) or capture.step != step):
-            self._drop_capture()  # a capture whose logging batch never ended: discard
-        if self._capture is None:
-            if not (LoggingSteps.is_logging_step(step, self._interval(trainer)) or trainer.should_stop):
-                return
-            layers = self._discover(pl_module)
-            if not layers:
-                return
-            self._capture = AttentionCapture(layers, step, pl_module.device, self.max_queries,
-                                             self.collapse_threshold, self._warn_once)
-        self._capture.arm()  # every micro-batch of the logging step
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._capture is not None:
+            self._capture.arm()  # every micro-batch of the logging step
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -263,56 +220,13 @@ class AttentionMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        capture = self._capture
-        try:
-            if capture is None:
-                return
-            capture.disarm()
-            # automatic optimization logs the batch that steps; manual logs every batch
-            if capture.stepped or LoggingSteps.manual(pl_module):
-                self._capture = None
-                self._finish(trainer, capture)
-        finally:
-            self._steps.batch_done(pl_module)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._drop_capture()
-        self._warn_interval(trainer, self._steps.current(trainer, pl_module), ended=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._drop_capture()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._drop_capture()
+        if self._capture is not None:
+            self._capture.disarm()  # at the latest; the next micro-batch of a logging step re-arms it
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     # ------------------------------------------------------------------ reduce + log
+    @override
     def _finish(self, trainer: pl.Trainer, capture: AttentionCapture) -> None:
         sums = capture.reduced(partial(_reduce, trainer.strategy))
         metrics = step_metrics(capture.layers, sums)
-        if trainer.is_global_zero and metrics:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=capture.step)
-            if self.dashboard and not self._layout_written:
-                names = [layer.name for layer in capture.layers]
-                written = [ATTENTION.write(e, names) for e in map(tensorboard_experiment, trainer.loggers)
-                           if e is not None]
-                self._layout_written = any(written)
-        self._n_logs += 1
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"n_logs": self._n_logs, **self._steps.state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._n_logs = int(state_dict.get("n_logs", 0))
-        self._steps.load_state_dict(state_dict)
-
-    @property
-    def n_logs(self) -> int:
-        """Logging steps whose figures were computed so far (over resumes)."""
-        return self._n_logs
+        self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])

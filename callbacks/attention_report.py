@@ -114,6 +114,10 @@ class AttentionCapture:
         self._handles = []
         self._pending = {}
 
+    def close(self) -> None:
+        """End the capture (the logging step is over or dropped): :meth:`disarm`."""
+        self.disarm()
+
     def _hook(self, layer: WatchedLayer, role: str, module: nn.Module, args: Any, output: Any) -> None:
         pending = self._pending.get(layer.name)
         if pending is None or not isinstance(output, Tensor):

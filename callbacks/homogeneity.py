@@ -10,7 +10,9 @@ registered and nothing runs but a step-number check.
 Logging steps are Lightning's own (:mod:`lightning_mrs.callbacks.logging_steps`): the
 figures of a batch appear at the step its ``self.log`` metrics do, under automatic
 optimization (with or without gradient accumulation) and manual optimization (any number of
-optimizers) alike.
+optimizers) alike. That life cycle (when to open and close a capture, logging, warnings, state)
+is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds
+what is watched and computed.
 
 How a logging step works:
 
@@ -34,18 +36,16 @@ How a logging step works:
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
-from lightning_mrs.callbacks.logging_steps import LoggingSteps
-from lightning_mrs.callbacks.tb_layout import HOMOGENEITY, tensorboard_experiment
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
 __all__ = ["GradientHomogeneityMonitor"]
@@ -64,7 +64,7 @@ def _skip_reason(spec: NormSpec) -> Optional[str]:
     return None
 
 
-class GradientHomogeneityMonitor(Callback):
+class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     """Log per-phasor gradient homogeneity of every norm layer as ``phasor/<layer>/<stat>``.
 
     Per layer (see :func:`lightning_mrs.stats.layer_stats` for exact definitions, ``G_i`` is
@@ -103,6 +103,9 @@ class GradientHomogeneityMonitor(Callback):
         >>> trainer = pl.Trainer(callbacks=[GradientHomogeneityMonitor()])  # doctest: +SKIP
     """
 
+    owner = "GradientHomogeneityMonitor"
+    board = HOMOGENEITY
+
     def __init__(
         self,
         log_every_n_steps: Optional[int] = None,
@@ -114,14 +117,7 @@ class GradientHomogeneityMonitor(Callback):
         weight_grads: bool = True,
         dashboard: bool = True,
     ) -> None:
-        super().__init__()
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                "GradientHomogeneityMonitor: log_every_n_steps must be None (use the Trainer's) or an "
-                f"int >= 1, got {log_every_n_steps!r}."
-            )
+        super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
         if isinstance(starved_threshold, bool) or not isinstance(starved_threshold, (int, float)) or not (
             0.0 < starved_threshold < 1.0
         ):
@@ -141,52 +137,25 @@ class GradientHomogeneityMonitor(Callback):
                 f"GradientHomogeneityMonitor: on_nonfinite={on_nonfinite!r} is not valid; choose one of "
                 f"{list(_ON_NONFINITE)}."
             )
-        try:
-            self._include = re.compile(include) if include is not None else None
-        except re.error as err:
-            raise ValueError(f"GradientHomogeneityMonitor: include={include!r} is not a valid regex: {err}.") from err
-        self.log_every_n_steps = log_every_n_steps
         self.starved_threshold = float(starved_threshold)
         self.histogram_every_n_logs = histogram_every_n_logs
         self.on_nonfinite = on_nonfinite
-        self.include = include
         self.weight_grads = weight_grads
-        self.dashboard = dashboard
-        # persistent counters (state_dict)
-        self._n_logs = 0
+        # persistent counters (state_dict), with the base class's
         self._overflow_skipped_total = 0
         self._nonfinite_total = 0
-        self._steps = LoggingSteps("GradientHomogeneityMonitor", "phasor/*")
-        # per-fit / per-capture state
-        self._capture: Optional[Capture] = None
-        self._start_step = 0
-        self._layout_written = False
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            log_every_n_steps=self.log_every_n_steps, include=self.include
-        )
-
-    def _interval(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
-
     @staticmethod
     def _scaler(trainer: pl.Trainer) -> Any:
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # public on MixedPrecision
         return scaler if scaler is not None and scaler.is_enabled() else None
 
+    @override
     def _discover(self, pl_module: pl.LightningModule) -> list[MonitoredLayer]:
         layers, skipped = [], []
         for name, module, spec in iter_norm_layers(pl_module):
-            if self._include is not None and not self._include.search(name):
+            if not self._included(name):
                 continue
             reason = _skip_reason(spec)
             if reason is not None:
@@ -206,41 +175,11 @@ class GradientHomogeneityMonitor(Callback):
             )
         return layers
 
-    def _drop_capture(self) -> None:
-        if self._capture is not None:
-            self._capture.close()
-            self._capture = None
-
-    def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
-        """Warn (once) when no logging step lies in ``[start, end)``."""
-        if trainer.loggers:
-            message = self._steps.no_logging_step(self._start_step, end, self._interval(trainer), ended)
-            if message is not None:
-                self._warn_once("interval", message)
+    @override
+    def _open_capture(self, layers: list[MonitoredLayer], step: int, pl_module: pl.LightningModule) -> Capture:
+        return Capture(layers, step, pl_module.device, self._warn_once)
 
     # ------------------------------------------------------------------ hooks
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        guessed = self._steps.start(trainer, pl_module)
-        if guessed is not None:
-            self._warn_once("resume", guessed)
-        self._start_step = self._steps.current(trainer, pl_module)
-        self._warn_interval(trainer, LoggingSteps.run_length(trainer), ended=False)
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step = self._steps.current(trainer, pl_module)
-        capture = self._capture
-        if capture is not None and (LoggingSteps.manual(pl_module) or capture.step != step):
-            self._drop_capture()  # a capture whose logging batch never ended: discard
-        if self._capture is not None or not (
-            LoggingSteps.is_logging_step(step, self._interval(trainer)) or trainer.should_stop
-        ):
-            return
-        layers = self._discover(pl_module)
-        if layers:
-            self._capture = Capture(layers, step, pl_module.device, self._warn_once)
-
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         capture = self._capture
@@ -254,34 +193,8 @@ class GradientHomogeneityMonitor(Callback):
         if self.weight_grads:
             capture.record_weights(optimizer)
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        capture = self._capture
-        try:
-            # automatic optimization logs the batch that steps; manual logs every batch
-            if capture is not None and (capture.stepped or LoggingSteps.manual(pl_module)):
-                self._capture = None
-                capture.close()  # no hook may fire during the collective / logging
-                self._finish(trainer, capture)
-        finally:
-            self._steps.batch_done(pl_module)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._drop_capture()
-        self._warn_interval(trainer, self._steps.current(trainer, pl_module), ended=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._drop_capture()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._drop_capture()
-
     # ------------------------------------------------------------------ reduce + log
+    @override
     def _finish(self, trainer: pl.Trainer, capture: Capture) -> None:
         sums = capture.reduced(lambda flat: trainer.strategy.reduce(flat, reduce_op="sum"))  # the one collective
         scaler = self._scaler(trainer)
@@ -300,9 +213,7 @@ class GradientHomogeneityMonitor(Callback):
         )
         self._nonfinite_total += report.nonfinite
         self._overflow_skipped_total += int(skipped)
-        if trainer.is_global_zero:
-            self._log(trainer, report, capture, skipped)
-        self._n_logs += 1
+        self._log(trainer, report, capture, skipped)
 
         if report.nonfinite and not skipped and self.on_nonfinite != "ignore":
             bad = [f"{name or 'root'}: {n}" for name, n in report.nonfinite_by_layer.items()]
@@ -317,42 +228,32 @@ class GradientHomogeneityMonitor(Callback):
             rank_zero_warn(message, category=RuntimeWarning)
 
     def _log(self, trainer: pl.Trainer, report: StepReport, capture: Capture, skipped: bool) -> None:
-        want_hist = (
-            self.histogram_every_n_logs > 0 and self._n_logs % self.histogram_every_n_logs == 0 and not skipped
-        )
-        step = capture.step
-        for logger in trainer.loggers:
-            logger.log_metrics(report.metrics, step=step)
-            experiment = tensorboard_experiment(logger)
-            if experiment is None:
+        experiments = self._publish(trainer, report.metrics, capture.step, [layer.name for layer in capture.layers])
+        if not (self.histogram_every_n_logs > 0 and self._n_logs % self.histogram_every_n_logs == 0 and not skipped):
+            return
+        for experiment in experiments:
+            if not hasattr(experiment, "add_histogram"):
                 continue
-            if self.dashboard and not self._layout_written:
-                HOMOGENEITY.write(experiment, [layer.name for layer in capture.layers])
-            if want_hist and hasattr(experiment, "add_histogram"):
-                for name, g in report.g_rms.items():
-                    values = g.detach().float().cpu()
-                    values = values[values.isfinite()]  # never feed TensorBoard a NaN
-                    if values.numel():
-                        experiment.add_histogram(HOMOGENEITY.tag(name, "G"), values, step)
-        if any(tensorboard_experiment(logger) is not None for logger in trainer.loggers):
-            self._layout_written = True
+            for name, g in report.g_rms.items():
+                values = g.detach().float().cpu()
+                values = values[values.isfinite()]  # never feed TensorBoard a NaN
+                if values.numel():
+                    experiment.add_histogram(HOMOGENEITY.tag(name, "G"), values, capture.step)
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "n_logs": self._n_logs,
+            **super().state_dict(),
             "overflow_skipped_total": self._overflow_skipped_total,
             "nonfinite_total": self._nonfinite_total,
-            **self._steps.state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._n_logs = int(state_dict.get("n_logs", 0))
+        super().load_state_dict(state_dict)
         self._overflow_skipped_total = int(state_dict.get("overflow_skipped_total", 0))
         self._nonfinite_total = int(state_dict.get("nonfinite_total", 0))
-        self._steps.load_state_dict(state_dict)
 
     @property
     def overflow_skipped_total(self) -> int:
