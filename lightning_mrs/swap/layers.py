@@ -25,12 +25,18 @@ __all__ = ["LayerNorm2d", "RMSNorm2d", "NormAct"]
 
 
 class _ChannelsFirstNorm(nn.Module):
+    """Parameters, input check and affine step of the channels-first layers.
+
+    Its constructor, defaults included, is :class:`LayerNorm2d`'s (which adds none of its own);
+    :class:`RMSNorm2d` has no bias.
+    """
+
     def __init__(
         self,
         num_channels: int,
-        eps: float,
-        affine: bool,
-        bias: bool,
+        eps: float = 1e-6,
+        affine: bool = True,
+        bias: bool = True,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -71,17 +77,6 @@ class LayerNorm2d(_ChannelsFirstNorm):
         >>> LayerNorm2d(6)(torch.randn(2, 6, 5, 5)).shape
         torch.Size([2, 6, 5, 5])
     """
-
-    def __init__(
-        self,
-        num_channels: int,
-        eps: float = 1e-6,
-        affine: bool = True,
-        bias: bool = True,
-        device: Optional[torch.device | str] = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__(num_channels, eps, affine, bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
