@@ -3,6 +3,11 @@
 Mistakes in ``--model.arch``/``--model.arch_kwargs`` raise :class:`recipes.errors.UsageError`
 (one line naming the option and the fix).
 
+Vision transformers take the input size and their shape from ``arch_kwargs``, e.g. a small
+timm ViT for 32x32 CIFAR: ``build_model("timm:vit_tiny_patch16_224", 100, arch_kwargs={"img_size":
+32, "patch_size": 4, "depth": 6})``. :func:`check_input_size` compares a model's fixed input
+size with the data's before anything trains.
+
 Example:
     >>> import torch
     >>> build_model("timm:test_resnet", num_classes=10)(torch.randn(2, 3, 32, 32)).shape
@@ -18,7 +23,7 @@ from torch import nn
 
 from recipes.errors import UsageError
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "check_input_size", "input_size"]
 
 
 def build_model(
@@ -102,3 +107,33 @@ def _cifar_stem(model: nn.Module) -> None:
     model.maxpool = nn.Identity()
 
 
+
+
+def input_size(model: nn.Module) -> Optional[tuple[int, int]]:
+    """The (height, width) a model only accepts (timm ViTs, torchvision ViT), ``None`` when any size goes."""
+    patch_embed = getattr(model, "patch_embed", None)
+    if patch_embed is not None and getattr(patch_embed, "strict_img_size", False):
+        size = getattr(patch_embed, "img_size", None)
+        if size is not None:
+            return tuple(size)  # type: ignore[return-value]
+    size = getattr(model, "image_size", None)  # torchvision's VisionTransformer
+    if isinstance(size, int) and hasattr(model, "conv_proj"):
+        return size, size
+    return None
+
+
+def check_input_size(model: nn.Module, image_size: int, option: str = "--data.image_size") -> None:
+    """Raise a usage error when ``model`` only takes another input size than ``image_size``.
+
+    Example:
+        >>> vit = build_model("timm:vit_tiny_patch16_224", 10, arch_kwargs={"img_size": 32, "depth": 1})
+        >>> check_input_size(vit, 16)
+        Traceback (most recent call last):
+        ...
+        recipes.errors.UsageError: --data.image_size 16 does not fit the model, which takes 32x32 images: give the model "img_size": 16 in --model.arch_kwargs, or --data.image_size 32.
+    """
+    size = input_size(model)
+    if size is not None and tuple(size) != (image_size, image_size):
+        key = "img_size" if hasattr(model, "patch_embed") else "image_size"
+        raise UsageError(f"{option} {image_size} does not fit the model, which takes {size[0]}x{size[1]} images: "
+                         f"give the model \"{key}\": {image_size} in --model.arch_kwargs, or {option} {size[0]}.")

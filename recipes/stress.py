@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterator, Optional
 from recipes import stress_report
 from recipes.errors import report
 from recipes.stress_args import parse_args, usable_cpus
+from recipes.stress_sweeps import NORM
 
 __all__ = ["cell_name", "main", "parse_args", "run", "sweep_settings"]
 
@@ -72,8 +73,8 @@ _SPLITS = {
 
 
 def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
-    """The cell's id: its TensorBoard run name and the stem of its record file."""
-    return f"{norm}_lr{lr:g}_bs{batch_size}_seed{seed}"
+    """The ``norm`` sweep's cell id (:meth:`recipes.stress_sweeps.Sweep.cell_name`)."""
+    return NORM.cell_name(norm, lr, batch_size, seed)
 
 
 def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,8 +85,11 @@ def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: getattr(args, k) for k in keep}
     if settings["precision"] is None:
         settings["precision"] = "32-true" if args.accelerator == "cpu" else "auto: bf16-mixed/16-mixed on GPUs"
-    settings.update(optimizer="SGD momentum 0.9 nesterov, weight decay on every parameter",
-                    split=_SPLITS[args.dataset], devices=1)
+    sweep = args.sweep
+    if sweep is not NORM:  # a norm sweep's settings stay as they were, so its older --out dirs resume
+        settings = {"sweep": sweep.name, **settings, "body_norms": "the model's own (kept)",
+                    "attention_monitor": f"every {args.log_every} steps, its default 256 sampled queries per layer"}
+    settings.update(optimizer=sweep.optimizer_text, split=_SPLITS[args.dataset], devices=1)
     return settings
 
 
@@ -107,9 +111,9 @@ def _work(args: argparse.Namespace, out: Path, cell: tuple[str, float, int, int]
     """Train one cell (in this process or a pool worker); its record with wall and CPU seconds."""
     from recipes.stress_cell import run_cell  # torch, Lightning: only where a cell trains
 
-    norm, lr, bs, seed = cell
+    arm, lr, bs, seed = cell
     start, cpu = time.monotonic(), time.process_time()
-    record = run_cell(args, out, cell_name(*cell), norm=norm, lr=lr, batch_size=bs, seed=seed)
+    record = run_cell(args, out, args.sweep.cell_name(*cell), arm=arm, lr=lr, batch_size=bs, seed=seed)
     record["wall_s"] = round(time.monotonic() - start, 2)
     record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
     return record
@@ -162,10 +166,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = sweep_settings(args)
     check_settings(out, settings)
 
-    grid = list(itertools.product(args.norms, args.lrs, args.batch_sizes, args.seeds))
+    grid = list(itertools.product(args.arms, args.lrs, args.batch_sizes, args.seeds))
     mine = [c for i, c in enumerate(grid) if i % args.shard_n == args.shard_k]
     done = {r["cell"] for r in stress_report.load_records(out)}
-    todo = [c for c in mine if cell_name(*c) not in done]
+    todo = [c for c in mine if args.sweep.cell_name(*c) not in done]
     jobs = min(args.jobs, max(1, len(todo)))
     print(f"stress sweep: {len(grid)} cells in the grid, {len(mine) - len(todo)} of this shard already done, "
           f"{len(todo)} to run ({jobs} at a time) -> {out}", flush=True)
