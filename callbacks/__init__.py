@@ -1,4 +1,5 @@
-"""Lightning callbacks of lightning-mrs: ``NormSwap`` and ``GradientHomogeneityMonitor``."""
+"""Lightning callbacks of lightning-mrs: ``NormSwap``, ``GradientHomogeneityMonitor`` and ``AttentionMonitor``."""
 
+from lightning_mrs.callbacks.attention import AttentionMonitor
 from lightning_mrs.callbacks.homogeneity import GradientHomogeneityMonitor
 from lightning_mrs.callbacks.norm_swap import NormSwap

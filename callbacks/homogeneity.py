@@ -7,7 +7,7 @@ does, and logs how evenly the gradient is spread over the phasors
 (:mod:`lightning_mrs.stats` defines every figure). Between logging steps no hook is
 registered and nothing runs but a step-number check.
 
-Logging steps are Lightning's own (:mod:`lightning_mrs.callbacks.homogeneity_steps`): the
+Logging steps are Lightning's own (:mod:`lightning_mrs.callbacks.logging_steps`): the
 figures of a batch appear at the step its ``self.log`` metrics do, under automatic
 optimization (with or without gradient accumulation) and manual optimization (any number of
 optimizers) alike.
@@ -44,8 +44,8 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
-from lightning_mrs.callbacks.homogeneity_steps import LoggingSteps
-from lightning_mrs.callbacks.tb_layout import metric_tag, tensorboard_experiment, write_layout
+from lightning_mrs.callbacks.logging_steps import LoggingSteps
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY, tensorboard_experiment
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
 __all__ = ["GradientHomogeneityMonitor"]
@@ -156,7 +156,7 @@ class GradientHomogeneityMonitor(Callback):
         self._n_logs = 0
         self._overflow_skipped_total = 0
         self._nonfinite_total = 0
-        self._steps = LoggingSteps()
+        self._steps = LoggingSteps("GradientHomogeneityMonitor", "phasor/*")
         # per-fit / per-capture state
         self._capture: Optional[Capture] = None
         self._start_step = 0
@@ -213,19 +213,10 @@ class GradientHomogeneityMonitor(Callback):
 
     def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
         """Warn (once) when no logging step lies in ``[start, end)``."""
-        interval = self._interval(trainer)
-        if interval <= 0 or not trainer.loggers or end <= self._start_step:
-            return
-        first = LoggingSteps.first_logging_step(self._start_step, interval)
-        if first < end:
-            return
-        length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} logging steps"
-        self._warn_once(
-            "interval",
-            f"GradientHomogeneityMonitor: log_every_n_steps={interval} but the run {length} (first logging step: "
-            f"{first}), so no phasor/* figure is logged. Lower GradientHomogeneityMonitor(log_every_n_steps=...) "
-            "or Trainer(log_every_n_steps=...).",
-        )
+        if trainer.loggers:
+            message = self._steps.no_logging_step(self._start_step, end, self._interval(trainer), ended)
+            if message is not None:
+                self._warn_once("interval", message)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -336,13 +327,13 @@ class GradientHomogeneityMonitor(Callback):
             if experiment is None:
                 continue
             if self.dashboard and not self._layout_written:
-                write_layout(experiment, [layer.name for layer in capture.layers])
+                HOMOGENEITY.write(experiment, [layer.name for layer in capture.layers])
             if want_hist and hasattr(experiment, "add_histogram"):
                 for name, g in report.g_rms.items():
                     values = g.detach().float().cpu()
                     values = values[values.isfinite()]  # never feed TensorBoard a NaN
                     if values.numel():
-                        experiment.add_histogram(metric_tag(name, "G"), values, step)
+                        experiment.add_histogram(HOMOGENEITY.tag(name, "G"), values, step)
         if any(tensorboard_experiment(logger) is not None for logger in trainer.loggers):
             self._layout_written = True
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer, apply_flat
-from lightning_mrs.callbacks.tb_layout import metric_tag
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
 
 __all__ = ["LOGGED_STATS", "LOGGED_WEIGHT_STATS", "StepReport", "step_report"]
@@ -104,23 +104,25 @@ def step_report(
         if stat["count"] <= 0:
             continue  # no gradient reached this layer on this step
         reached = True
-        metrics[metric_tag(layer.name, "nonfinite")] = nonfinite
+        metrics[HOMOGENEITY.tag(layer.name, "nonfinite")] = nonfinite
         if skipped:
             continue
         if stat["finite"] > 0:
-            metrics.update({metric_tag(layer.name, s): stat[s] for s in LOGGED_STATS if s != "nonfinite"})
+            metrics.update({HOMOGENEITY.tag(layer.name, s): stat[s] for s in LOGGED_STATS if s != "nonfinite"})
         if w.get("wgrad_finite", 0.0) > 0:
-            metrics.update({metric_tag(layer.name, s): w[s] for s in LOGGED_WEIGHT_STATS})
+            metrics.update({HOMOGENEITY.tag(layer.name, s): w[s] for s in LOGGED_WEIGHT_STATS})
     total_nonfinite = host["all", "nonfinite"] + sum(host["weight", name, "wgrad_nonfinite"] for name in weights)
     if reached:
-        metrics[metric_tag("all", "nonfinite")] = total_nonfinite
+        metrics[HOMOGENEITY.tag("all", "nonfinite")] = total_nonfinite
         if not skipped:
-            metrics[metric_tag("all", "layers")] = host["all", "layers"]
+            metrics[HOMOGENEITY.tag("all", "layers")] = host["all", "layers"]
             if host["all", "layers"] > 0:
-                metrics.update({metric_tag("all", s): host["all", s] for s in agg if s not in ("nonfinite", "layers")})
-    metrics[metric_tag("all", "overflow_skipped")] = float(skipped)
+                metrics.update(
+                    {HOMOGENEITY.tag("all", s): host["all", s] for s in agg if s not in ("nonfinite", "layers")}
+                )
+    metrics[HOMOGENEITY.tag("all", "overflow_skipped")] = float(skipped)
     if scale is not None:
-        metrics[metric_tag("all", "loss_scale")] = scale
+        metrics[HOMOGENEITY.tag("all", "loss_scale")] = scale
     return StepReport(
         metrics=metrics,
         nonfinite=int(total_nonfinite),

@@ -1,67 +1,120 @@
-"""The TensorBoard custom-scalars layout of ``GradientHomogeneityMonitor`` ("Phasor homogeneity").
+"""The monitors' TensorBoard custom-scalars dashboards: one category each, merged per run.
 
-Multiline charts take tag *regexes*, so one chart covers every layer (and ``phasor/all``);
-margin charts take exact tags: one per monitored layer, the median ``G_i`` with its 5-95 %
-band.
+A :class:`Dashboard` is one category of the custom-scalars plugin: multiline charts take tag
+*regexes*, so one chart covers every layer (and ``<prefix>/all``); an optional margin chart
+per layer takes exact tags (a value with its band). :data:`HOMOGENEITY` is
+``GradientHomogeneityMonitor``'s ("Phasor homogeneity"), :data:`ATTENTION`
+``AttentionMonitor``'s ("Attention").
+
+TensorBoard shows the *last* layout a run wrote, so two monitors writing their own would
+hide each other: :meth:`Dashboard.write` remembers, per ``SummaryWriter``, the categories
+written to it and writes all of them each time.
 
 Example:
-    >>> layout = homogeneity_layout(["layer1.0.bn1"])
-    >>> sorted(layout[CATEGORY])[:2]
+    >>> layout = HOMOGENEITY.layout(["layer1.0.bn1"])
+    >>> sorted(layout[HOMOGENEITY.category])[:2]
     ['G_i of layer1.0.bn1: median, 5-95 % band', 'act_outlier_ratio: max/mean input phasor magnitude']
+    >>> ATTENTION.tag("blocks.0.attn", "logit_max")
+    'attention/blocks.0.attn/logit_max'
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
-__all__ = ["CATEGORY", "homogeneity_layout", "metric_tag", "tensorboard_experiment", "write_layout"]
+__all__ = ["ATTENTION", "HOMOGENEITY", "Dashboard", "tensorboard_experiment"]
 
-CATEGORY = "Phasor homogeneity"
-PREFIX = "phasor"
+Charts = dict[str, list[Any]]  # chart title -> ["Multiline", [regexes]] | ["Margin", [value, lower, upper]]
 
-# (chart title, [tag regexes]): the cross-layer multiline charts, in display order
-_MULTILINE: tuple[tuple[str, list[str]], ...] = (
-    ("grad_cv: std/mean of G_i (0 = homogeneous)", [r"^phasor/.*/grad_cv$"]),
-    ("starved_frac: share of phasors below threshold x median", [r"^phasor/.*/starved_frac$"]),
-    (
-        "nonfinite gradient entries and overflow-skipped steps",
-        [r"^phasor/.*/nonfinite$", r"^phasor/all/overflow_skipped$"],
+# SummaryWriter -> category -> charts: what each writer shows (weak: a writer may go away)
+_WRITTEN: "weakref.WeakKeyDictionary[Any, dict[str, Charts]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    """One custom-scalars category of a monitor.
+
+    Attributes:
+        category: the category's title.
+        prefix: the first part of every tag (``<prefix>/<layer>/<stat>``).
+        charts: ``(title, tag regexes)`` of the multiline charts, in display order.
+        band: ``(title with "{layer}", (value, lower, upper) stats)``: one margin chart per layer.
+    """
+
+    category: str
+    prefix: str
+    charts: tuple[tuple[str, tuple[str, ...]], ...]
+    band: Optional[tuple[str, tuple[str, str, str]]] = None
+
+    def tag(self, layer: str, stat: str) -> str:
+        """``<prefix>/<layer>/<stat>``; the root module (name ``""``) is called ``root``."""
+        return f"{self.prefix}/{layer or 'root'}/{stat}"
+
+    def layout(self, layers: Sequence[str]) -> dict[str, Charts]:
+        """The layout in ``SummaryWriter.add_custom_scalars`` form, for the given layer names."""
+        charts: Charts = {title: ["Multiline", list(tags)] for title, tags in self.charts}
+        if self.band is not None:
+            title, stats = self.band
+            for layer in layers:
+                charts[title.format(layer=layer or "root")] = ["Margin", [self.tag(layer, s) for s in stats]]
+        return {self.category: charts}
+
+    def write(self, experiment: Any, layers: Sequence[str]) -> bool:
+        """Write this category, with every other one written to ``experiment`` before, through a
+        TensorBoard ``SummaryWriter`` (torch's or tensorboardX's).
+
+        Returns:
+            Whether the writer could take it (``add_custom_scalars`` exists).
+        """
+        add = getattr(experiment, "add_custom_scalars", None)
+        if add is None:
+            return False
+        try:
+            shown = _WRITTEN.setdefault(experiment, {})
+        except TypeError:  # a writer that cannot be weakly referenced: this category alone
+            shown = {}
+        shown.update(self.layout(layers))
+        add(dict(shown))
+        return True
+
+
+def _multiline(prefix: str, charts: Sequence[tuple[str, Sequence[str]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Charts of ``(title, stats)``: each stat's tag regex over every layer and ``all``."""
+    return tuple((title, tuple(rf"^{prefix}/.*/{stat}$" for stat in stats)) for title, stats in charts)
+
+
+HOMOGENEITY = Dashboard(
+    category="Phasor homogeneity",
+    prefix="phasor",
+    charts=(
+        ("grad_cv: std/mean of G_i (0 = homogeneous)", (r"^phasor/.*/grad_cv$",)),
+        ("starved_frac: share of phasors below threshold x median", (r"^phasor/.*/starved_frac$",)),
+        (
+            "nonfinite gradient entries and overflow-skipped steps",
+            (r"^phasor/.*/nonfinite$", r"^phasor/all/overflow_skipped$"),
+        ),
+        ("grad_max_ratio: max/median of G_i", (r"^phasor/.*/grad_max_ratio$",)),
+        ("grad_mean: mean G_i (unscaled)", (r"^phasor/.*/grad_mean$",)),
+        ("radial_frac: gradient energy along each phasor's direction", (r"^phasor/.*/radial_frac$",)),
+        ("act_outlier_ratio: max/mean input phasor magnitude", (r"^phasor/.*/act_outlier_ratio$",)),
+        ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", (r"^phasor/.*/wgrad_cv$",)),
     ),
-    ("grad_max_ratio: max/median of G_i", [r"^phasor/.*/grad_max_ratio$"]),
-    ("grad_mean: mean G_i (unscaled)", [r"^phasor/.*/grad_mean$"]),
-    ("radial_frac: gradient energy along each phasor's direction", [r"^phasor/.*/radial_frac$"]),
-    ("act_outlier_ratio: max/mean input phasor magnitude", [r"^phasor/.*/act_outlier_ratio$"]),
-    ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", [r"^phasor/.*/wgrad_cv$"]),
+    band=("G_i of {layer}: median, 5-95 % band", ("grad_p50", "grad_p05", "grad_p95")),
 )
 
-
-def metric_tag(layer: str, stat: str) -> str:
-    """``phasor/<layer>/<stat>``; the root module (name ``""``) is called ``root``."""
-    return f"{PREFIX}/{layer or 'root'}/{stat}"
-
-
-def homogeneity_layout(layers: Sequence[str]) -> dict[str, dict[str, list[Any]]]:
-    """The layout in ``SummaryWriter.add_custom_scalars`` form, for the given layer names."""
-    charts: dict[str, list[Any]] = {title: ["Multiline", tags] for title, tags in _MULTILINE}
-    for layer in layers:
-        charts[f"G_i of {layer or 'root'}: median, 5-95 % band"] = [
-            "Margin",
-            [metric_tag(layer, "grad_p50"), metric_tag(layer, "grad_p05"), metric_tag(layer, "grad_p95")],
-        ]
-    return {CATEGORY: charts}
-
-
-def write_layout(experiment: Any, layers: Sequence[str]) -> bool:
-    """Write the layout through a TensorBoard ``SummaryWriter`` (torch's or tensorboardX's).
-
-    Returns:
-        Whether the writer could take it (``add_custom_scalars`` exists).
-    """
-    add = getattr(experiment, "add_custom_scalars", None)
-    if add is None:
-        return False
-    add(homogeneity_layout(layers))
-    return True
+ATTENTION = Dashboard(
+    category="Attention",
+    prefix="attention",
+    charts=_multiline("attention", (
+        ("logit_max: largest |q.k| x scale (worst layer in all)", ("logit_max",)),
+        ("collapsed_frac: share of attention rows with max weight > threshold", ("collapsed_frac",)),
+        ("entropy_mean: softmax entropy in nats, mean over heads and queries", ("entropy_mean",)),
+        ("entropy_min: mean entropy of the lowest head", ("entropy_min",)),
+        ("q_norm_mean, k_norm_mean: mean |q|, |k| after the QK-norm", ("q_norm_mean", "k_norm_mean")),
+    )),
+)
 
 
 def tensorboard_experiment(logger: Any) -> Any:

@@ -1,10 +1,12 @@
 """lightning-mrs core: MRSNorm (Mean Root Square / phasor normalisation) for PyTorch.
 
 Needs only torch: the op (:mod:`lightning_mrs.ops`), the modules, the norm-swap engine
-(:mod:`lightning_mrs.swap`) and the per-phasor statistics (:mod:`lightning_mrs.stats`).
+(:mod:`lightning_mrs.swap`), the per-phasor statistics (:mod:`lightning_mrs.stats`) and the
+attention statistics (:mod:`lightning_mrs.attention_stats`).
 The Lightning callbacks live in :mod:`lightning_mrs.callbacks` (imported on demand only).
 """
 
+from lightning_mrs.attention_stats import AttentionSums, attention_figures, attention_sums, query_sample
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
 from lightning_mrs.ops import mrs_norm, mrs_scale
 from lightning_mrs.stats import aggregate_stats, layer_stats, phasor_sums, weight_grad_stats
@@ -32,5 +34,6 @@ __all__ = [
     "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS",
     "QK_NORMS", "AttentionInfo", "iter_attention_layers", "expose_attention",
     "phasor_sums", "layer_stats", "aggregate_stats", "weight_grad_stats",
+    "AttentionSums", "attention_sums", "attention_figures", "query_sample",
 ]
 __version__ = "0.2.0"

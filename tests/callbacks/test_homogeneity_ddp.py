@@ -14,53 +14,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from torch.utils.data import Sampler
 
-from helpers.ddp import run_job
+from helpers.ddp import DumpHistory, RankStride, run_job
 from helpers.lightning import TinyModule, fit, image_data, per_sample_net
 from helpers.recording_logger import RecordingLogger
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
 
 GLOBAL_BATCH, STEPS = 8, 3
-
-
-class DumpHistory(pl.Callback):
-    """Rank 0 writes its RecordingLogger's history to ``path`` when training ends."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero:
-            (rec,) = [logger for logger in trainer.loggers if isinstance(logger, RecordingLogger)]
-            Path(self.path).write_text(json.dumps(rec.history))
-
-
-class RankStride(Sampler):
-    """Samples ``rank, rank + world, ...`` in order, the rank read when iteration starts (in the
-    worker, whichever launcher made it): each step's local batches of the ranks are together
-    the single-process batch. (Lightning's own distributed sampler shuffles training data.)"""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def _split(self) -> tuple[int, int]:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return 0, 1
-
-    def __iter__(self) -> Iterator[int]:
-        rank, world = self._split()
-        return iter(range(rank, self.n, world))
-
-    def __len__(self) -> int:
-        rank, world = self._split()
-        return len(range(rank, self.n, world))
 
 
 def run(strategy: str, devices: int, out: str = "") -> dict[str, dict[int, float]]:

@@ -1,5 +1,8 @@
 """The step Lightning logs a training batch's ``self.log`` metrics at, from public trainer state.
 
+Shared by the monitors (``GradientHomogeneityMonitor``, ``AttentionMonitor``): they capture
+on these steps only, so that their figures appear where ``self.log``'s do.
+
 Lightning logs a training batch's metrics at step ``n`` = the number of batches that stepped
 before it, when ``(n + 1) % log_every_n_steps == 0`` (or ``trainer.should_stop``). What
 "stepped" means depends on the optimization mode:
@@ -12,7 +15,7 @@ before it, when ``(n + 1) % log_every_n_steps == 0`` (or ``trainer.should_stop``
   here, in the monitor's ``state_dict``.
 
 Example:
-    >>> steps = LoggingSteps()
+    >>> steps = LoggingSteps("MyMonitor", "my/*")
     >>> [n for n in range(10) if steps.is_logging_step(n, 4)]
     [3, 7]
     >>> steps.first_logging_step(5, 4)
@@ -31,9 +34,15 @@ __all__ = ["LoggingSteps"]
 
 
 class LoggingSteps:
-    """Lightning's logging-step count ``n`` for the running fit (see the module docstring)."""
+    """Lightning's logging-step count ``n`` for the running fit (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        owner: the monitor's name, which starts its warnings.
+        tags: its tags (``"phasor/*"``), named in its warnings.
+    """
+
+    def __init__(self, owner: str, tags: str) -> None:
+        self.owner, self.tags = owner, tags
         self.batches = 0  # manual optimization: training batches completed, over the whole run
         self._restored = False
         self._trainer: Optional[weakref.ref] = None  # the trainer the count belongs to
@@ -80,10 +89,10 @@ class LoggingSteps:
             return None
         self.batches = trainer.global_step // max(len(trainer.optimizers), 1)
         return (
-            "GradientHomogeneityMonitor: resuming a manual-optimization run from a checkpoint without the "
+            f"{self.owner}: resuming a manual-optimization run from a checkpoint without the "
             f"monitor's batch count; it is estimated as global_step // {max(len(trainer.optimizers), 1)} optimizers "
             f"= {self.batches}, which holds only when every optimizer steps once per batch. If it is wrong, "
-            "phasor/* figures are logged at other steps than self.log's until the next fresh run."
+            f"{self.tags} figures are logged at other steps than self.log's until the next fresh run."
         )
 
     @staticmethod
@@ -99,6 +108,21 @@ class LoggingSteps:
         except Exception:  # noqa: BLE001 - e.g. accumulation schedules: no estimate, no warning
             return math.inf
         return math.inf if length is None or length < 0 else float(length)
+
+    def no_logging_step(self, start: int, end: float, interval: int, ended: bool) -> Optional[str]:
+        """A warning when no logging step lies in ``[start, end)`` (``end``: the count at the
+        end of the run, or :meth:`run_length` before it), else ``None``."""
+        if interval <= 0 or end <= start:
+            return None
+        first = self.first_logging_step(start, interval)
+        if first < end:
+            return None
+        length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} logging steps"
+        return (
+            f"{self.owner}: log_every_n_steps={interval} but the run {length} (first logging step: {first}), "
+            f"so no {self.tags} figure is logged. Lower {self.owner}(log_every_n_steps=...) or "
+            "Trainer(log_every_n_steps=...)."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": self.batches}
