@@ -58,15 +58,15 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
-from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.ops import BACKENDS
 from lightning_mrs.swap import iter_attention_layers
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
-from recipes.models import build_model, check_input_size
-from recipes.optim import DEFAULTS as OPTIMIZER_DEFAULTS, OPTIMIZERS, build_optimizer, warmup_cosine
+from recipes.models import build_model, check_input_size, check_qk_norms
+from recipes.optim import build_optimizer, optimizer_options, warmup_cosine
 
-__all__ = ["CifarClassifier", "ImageDataModule", "ValidateAtEnd", "build_model", "main", "run"]
+__all__ = ["CifarClassifier", "ImageDataModule", "ValidateAtEnd", "build_cli", "build_model", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
 QK_NORMS = ("none", "mrs", "rms", "layer")
@@ -145,7 +145,7 @@ class CifarClassifier(pl.LightningModule):
             raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
         if mrs_backend not in BACKENDS:
             raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
-        chosen = _optimizer_options(optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum,
+        chosen = optimizer_options(optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                     nesterov=nesterov, betas=betas)
         self.save_hyperparameters()
         self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
@@ -216,46 +216,6 @@ class CifarClassifier(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _optimizer_options(optimizer: str, **given: Any) -> dict[str, Any]:
-    """The optimizer's options with its defaults (:data:`recipes.optim.DEFAULTS`) for those unset.
-
-    An option of the other optimizer (``--model.momentum`` with ``adamw``...) is a mistake, not ignored.
-    """
-    if optimizer not in OPTIMIZERS:
-        raise UsageError(f"--model.optimizer {optimizer!r} is not valid; choose one of {list(OPTIMIZERS)}.")
-    defaults = OPTIMIZER_DEFAULTS[optimizer]
-    foreign = [k for k, v in given.items() if v is not None and k not in defaults]
-    if foreign:
-        other = next(o for o in OPTIMIZERS if o != optimizer)
-        raise UsageError(f"--model.{foreign[0]} is an option of --model.optimizer {other}, not {optimizer}: "
-                         f"leave it out, or choose --model.optimizer {other}.")
-    chosen = {k: (given[k] if given[k] is not None else v) for k, v in defaults.items()}
-    if chosen["lr"] <= 0:
-        raise UsageError(f"--model.lr must be > 0, got {chosen['lr']}.")
-    if chosen["weight_decay"] < 0:
-        raise UsageError(f"--model.weight_decay must be >= 0, got {chosen['weight_decay']}.")
-    betas = chosen.get("betas")
-    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
-        raise UsageError(f"--model.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {list(betas)}.")
-    if betas is not None:
-        chosen["betas"] = tuple(float(b) for b in betas)
-    return {**{k: None for k in given}, **chosen}
-
-
-def check_qk_norms(model: torch.nn.Module, kind: str, report: Any, arch: str) -> None:
-    """Every attention layer of ``model`` must have a QK-norm of ``kind`` after the swap, or a usage error."""
-    layers = list(iter_attention_layers(model))
-    if not layers:
-        raise UsageError(f"--model.qk_norm {kind}: {arch!r} has no attention layer a QK-norm can be added to; "
-                         "use a transformer (e.g. timm:vit_tiny_patch16_224) or --model.qk_norm none.")
-    missing = [name for name, _, info in layers if info.qk_norm != kind]
-    if missing:
-        skipped = getattr(report, "attention_skipped", {}) or {}
-        why = skipped.get(missing[0], "its QK-norm is of another kind")
-        raise UsageError(f"--model.qk_norm {kind}: no {kind} QK-norm in {len(missing)} of {len(layers)} attention "
-                         f"layers of {arch!r} (e.g. {missing[0]}: {why}).")
-
-
 class ValidateAtEnd(Callback):
     """Stop (and so validate and checkpoint) on the last step when ``max_steps`` ends a run mid-epoch.
 
@@ -310,6 +270,7 @@ class CifarCLI(LightningCLI):
         # the head matches the data: 100 (cifar100, synthetic), 10 (digits), the folder's classes
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.add_lightning_class_args(GradientHomogeneityMonitor, "monitor")
+        parser.add_lightning_class_args(AttentionMonitor, "attention")  # dropped for models without attention
         parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                             help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
 
@@ -333,13 +294,16 @@ class CifarCLI(LightningCLI):
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
             raise UsageError(f"a --trainer option: {err}") from None
+        if next(iter_attention_layers(self.model), None) is None:  # a CNN: no "no attention layers" warning
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, AttentionMonitor)]
+        return trainer
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """Parse the command line, check the data, and fit."""
+def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
+    """Parse the command line, build the model, data and trainer, and check the data; nothing trains."""
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     level = seed_log.level
     seed_log.setLevel(logging.WARNING)  # "Seed set to" only once the configuration is valid
@@ -360,6 +324,12 @@ def main(args: Optional[list[str]] = None) -> None:
     finally:
         seed_log.setLevel(level)
     rank_zero_info(f"Seed set to {cli.config.seed_everything}")
+    return cli
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Parse the command line, check the data, and fit."""
+    cli = build_cli(args)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
 
 

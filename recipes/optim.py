@@ -31,7 +31,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-__all__ = ["DEFAULTS", "OPTIMIZERS", "build_optimizer", "no_decay_names", "param_groups", "warmup_cosine"]
+from recipes.errors import UsageError
+
+__all__ = ["DEFAULTS", "OPTIMIZERS", "build_optimizer", "no_decay_names", "optimizer_options", "param_groups",
+           "warmup_cosine"]
 
 OPTIMIZERS = ("sgd", "adamw")
 #: per optimizer: the defaults of the options left unset (``None``) on the command line
@@ -73,6 +76,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             group["params"].append(p)
             group["param_names"].append(name)
     return [g for g in groups.values() if g["params"]]
+
+
+def optimizer_options(optimizer: str, **given: Any) -> dict[str, Any]:
+    """The optimizer's options with its defaults (:data:`recipes.optim.DEFAULTS`) for those unset.
+
+    An option of the other optimizer (``--model.momentum`` with ``adamw``...) is a mistake, not ignored.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"--model.optimizer {optimizer!r} is not valid; choose one of {list(OPTIMIZERS)}.")
+    defaults = DEFAULTS[optimizer]
+    foreign = [k for k, v in given.items() if v is not None and k not in defaults]
+    if foreign:
+        other = next(o for o in OPTIMIZERS if o != optimizer)
+        raise UsageError(f"--model.{foreign[0]} is an option of --model.optimizer {other}, not {optimizer}: "
+                         f"leave it out, or choose --model.optimizer {other}.")
+    chosen = {k: (given[k] if given[k] is not None else v) for k, v in defaults.items()}
+    if chosen["lr"] <= 0:
+        raise UsageError(f"--model.lr must be > 0, got {chosen['lr']}.")
+    if chosen["weight_decay"] < 0:
+        raise UsageError(f"--model.weight_decay must be >= 0, got {chosen['weight_decay']}.")
+    betas = chosen.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
+        raise UsageError(f"--model.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {list(betas)}.")
+    if betas is not None:
+        chosen["betas"] = tuple(float(b) for b in betas)
+    return {**{k: None for k in given}, **chosen}
 
 
 def build_optimizer(kind: str, model: nn.Module, params: Iterable[nn.Parameter], *, lr: float,
