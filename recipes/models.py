@@ -128,10 +128,10 @@ def check_input_size(model: nn.Module, image_size: int, option: str = "--data.im
 
     Example:
         >>> vit = build_model("timm:vit_tiny_patch16_224", 10, arch_kwargs={"img_size": 32, "depth": 1})
-        >>> check_input_size(vit, 16)
+        >>> check_input_size(vit, 16)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        recipes.errors.UsageError: --data.image_size 16 does not fit the model, which takes 32x32 images: give the model "img_size": 16 in --model.arch_kwargs, or --data.image_size 32.
+        recipes.errors.UsageError: --data.image_size 16 does not fit the model, which takes 32x32 images: ...
     """
     size = input_size(model)
     if size is not None and tuple(size) != (image_size, image_size):

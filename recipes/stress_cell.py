@@ -32,6 +32,7 @@ from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
+from recipes.stress_sweeps import ATTENTION_QUERIES
 
 __all__ = ["DivergenceStop", "MemoryLogger", "check_data", "counted_top1", "run_cell"]
 
@@ -161,7 +162,7 @@ def _monitors(args: argparse.Namespace) -> list[Callback]:
     if args.sweep.arm == "qk_norm":
         from lightning_mrs.callbacks import AttentionMonitor
 
-        monitors.append(AttentionMonitor(log_every_n_steps=args.log_every))
+        monitors.append(AttentionMonitor(log_every_n_steps=args.log_every, max_queries=ATTENTION_QUERIES))
     return monitors
 
 

@@ -205,7 +205,8 @@ def _claim4(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
             lr = _best_lr(rows, n, bs)
             arms.append((f"{n} @ lr {lr:g}", arm_values(rows, n, lr, bs, accuracy)) if lr is not None
                         else (n, ([], f"missing cells: {n} at batch {bs}")))
-        parts.append(welch_comparison(f"batch {bs}: mrs - rms, each at its best lr", arms[0], arms[1], "above", -MARGIN))
+        parts.append(welch_comparison(f"batch {bs}: mrs - rms, each at its best lr", arms[0], arms[1], "above",
+                                      -MARGIN))
     return [("no accuracy cost against RMSNorm (final top-1 at each norm's best swept lr)", parts)]
 
 

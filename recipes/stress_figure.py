@@ -90,8 +90,11 @@ def _save(plt: Any, fig: Any, handles: list, labels: list[str], title: str, path
     os.replace(tmp, path)
 
 
-def figure(rows: list[dict[str, Any]], path: Path) -> None:
-    """Draw the ``norm`` sweep's figure of ``rows`` (typed ``results.csv`` rows) into ``path`` (atomically)."""
+def figure(rows: list[dict[str, Any]], path: Path) -> Any:
+    """Draw the ``norm`` sweep's figure of ``rows`` (typed ``results.csv`` rows) into ``path`` (atomically).
+
+    Returns the panels (matplotlib axes, one row), closed but readable.
+    """
     plt = _pyplot()
     sizes = sorted({r["batch_size"] for r in rows})
     all_lrs = distinct_lrs(rows)
@@ -110,10 +113,14 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
     _save(plt, fig, [*handles, plt.Rectangle((0, 0), 1, 1, color="0.93")], [*labels, "paper's lrs"],
           f"Final top-1 vs learning rate: mean over {len(seeds)} seed(s), band = min-max; a diverged seed = chance",
           path)
+    return axes
 
 
-def qk_figure(rows: list[dict[str, Any]], path: Path) -> None:
-    """Draw the ``qk`` sweep's figure (top-1 and max attention logit against lr) into ``path`` (atomically)."""
+def qk_figure(rows: list[dict[str, Any]], path: Path) -> Any:
+    """Draw the ``qk`` sweep's figure (top-1 and max attention logit against lr) into ``path`` (atomically).
+
+    Returns the panels (matplotlib axes: a row per batch size, two columns), closed but readable.
+    """
     plt = _pyplot()
     sizes = sorted({r["batch_size"] for r in rows})
     all_lrs = distinct_lrs(rows)
@@ -135,3 +142,4 @@ def qk_figure(rows: list[dict[str, Any]], path: Path) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     _save(plt, fig, handles, labels,
           f"QK-norm stress: mean over {len(seeds)} seed(s), band = min-max", path)
+    return axes

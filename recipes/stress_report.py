@@ -105,7 +105,8 @@ _SWEEP_TABLES: dict[str, tuple[str, list[Metric], str]] = {
 def _axes(rows: list[dict[str, Any]], by: str) -> list[str]:
     norms = sorted({r[by] for r in rows}, key=lambda n: (NORM_ORDER.get(n, 9), n))
     lrs = sorted({r["lr"] for r in rows})
-    return [f"- grid: {by.replace('_', '-')}s {' '.join(norms)}; learning rates {' '.join(f'{v:g}' for v in lrs)}; batch sizes "
+    return [f"- grid: {by.replace('_', '-')}s {' '.join(norms)}; learning rates {' '.join(f'{v:g}' for v in lrs)}; "
+            f"batch sizes "
             f"{' '.join(str(b) for b in sorted({r['batch_size'] for r in rows}))}; seeds "
             f"{' '.join(str(s) for s in sorted({r['seed'] for r in rows}))} ({len(rows)} cells finished)"]
 

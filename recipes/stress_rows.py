@@ -17,8 +17,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["CSV_COLUMNS", "QK_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr", "select",
-           "survived"]
+__all__ = ["CSV_COLUMNS", "QK_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr",
+           "select", "survived"]
 
 CSV_COLUMNS = [
     "norm", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NORM", "QK", "SWEEPS", "Sweep", "VIT_CIFAR", "VIT_DIGITS"]
+__all__ = ["ATTENTION_QUERIES", "NORM", "QK", "SWEEPS", "Sweep", "VIT_CIFAR", "VIT_DIGITS"]
 
 _NARROW_RESNET = {"layers": [1, 1, 1, 1], "channels": [8, 16, 32, 64], "stem_width": 8}
 _SYNTHETIC_RESNET = {"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}
@@ -28,6 +28,8 @@ VIT_DIGITS = {"img_size": 8, "patch_size": 2, "embed_dim": 64, "depth": 4, "num_
 #: width 64, MLP x2 (3.7 M parameters)
 VIT_CIFAR = {"img_size": 32, "patch_size": 4, "embed_dim": 256, "depth": 7, "num_heads": 4, "mlp_ratio": 2.0}
 _VIT = "timm:vit_tiny_patch16_224"
+#: queries per attention layer whose logits the ``qk`` sweep's AttentionMonitor recomputes on a logging step
+ATTENTION_QUERIES = 256
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,8 @@ NORM = Sweep(
 
 QK = Sweep(
     name="qk", arm="qk_norm", flag="--qk-norms", arms=("none", "layer", "rms", "mrs"),
-    # log-spaced, from the recipe's AdamW default (1e-3) to 1000x it
-    grid={"arms": ["none", "layer", "rms", "mrs"], "lrs": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
+    # log-spaced, from the recipe's AdamW default (1e-3) to 300x it
+    grid={"arms": ["none", "layer", "rms", "mrs"], "lrs": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3],
           "batch_sizes": [64], "seeds": [0, 1, 2]},
     quick={"lrs": [0.003, 0.03, 0.3], "seeds": [0], "epochs": {"digits": 10}},
     datasets={

@@ -82,6 +82,11 @@ def test_optimizer_defaults_resolved_into_hparams() -> None:
     assert (adamw.hparams.lr, adamw.hparams.weight_decay, adamw.hparams.betas, adamw.hparams.momentum) == (
         1e-3, 0.05, (0.9, 0.999), None)
     assert _vit(optimizer="adamw", lr=3e-3, betas=(0.9, 0.95)).hparams.betas == (0.9, 0.95)
+    # what a checkpoint stores rebuilds the same model (load_from_checkpoint calls __init__ with it)
+    for model in (sgd, _vit(norm="batch", qk_norm="mrs", optimizer="adamw")):
+        again = CifarClassifier(**model.hparams)
+        again.load_state_dict(model.state_dict())  # strict: the same parameters, QK-norms included
+        assert dict(again.hparams) == dict(model.hparams)
 
 
 def test_adamw_decays_weight_matrices_only(one_thread: None) -> None:
