@@ -184,6 +184,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    size = (args.arch_kwargs or {}).get("img_size") if isinstance(args.arch_kwargs, dict) else None
+    if size is not None and size != args.image_size:  # a ViT takes one input size only
+        p.error(f"--image-size {args.image_size} does not fit the model's img_size {size} (--arch-kwargs): "
+                "give both the same size")
     if not 0.0 <= args.warmup_frac < 1.0:
         p.error(f"--warmup-frac must lie in [0, 1), got {args.warmup_frac}")
     if args.weight_decay < 0:
