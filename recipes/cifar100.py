@@ -6,6 +6,9 @@ Run from the repository root (no subcommand: the script fits, validating every e
     python recipes/cifar100.py --config recipes/configs/demo_cpu.yaml
     # the real job: ResNet-18 with MRSNorm on CIFAR-100, 200 epochs, all GPUs of the box
     python recipes/cifar100.py --config recipes/configs/cifar100_resnet18.yaml --trainer.devices 4
+    # a transformer: a small ViT with MRS QK-norms (phasor attention), AdamW; offline on a CPU / CIFAR-100
+    python recipes/cifar100.py --config recipes/configs/vit_digits.yaml
+    python recipes/cifar100.py --config recipes/configs/vit_cifar100.yaml --model.qk_norm layer
     # any flag: --model.arch/norm/lr, --data.dataset (cifar100, digits, folder, synthetic)/root/batch_size ...
     python recipes/cifar100.py --help
 
@@ -13,11 +16,14 @@ Multi-node: launch one process per GPU with ``torchrun --nnodes N --nproc-per-no
 recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLURM with
 ``srun`` (``--ntasks-per-node G``); Lightning picks the environment up and runs DDP.
 
-Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4), linear warm-up then cosine decay
-stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
+Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
+AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.optim`),
+linear warm-up then cosine decay stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
 (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
 DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
-(``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``.
+(``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``,
+``GradientHomogeneityMonitor`` (``--monitor.*``) and, for models with attention layers,
+``AttentionMonitor`` (``--attention.*``).
 ``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
 samples whose label is among the top k logits, as papers report them. The data
 (:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
@@ -38,7 +44,6 @@ if __name__ == "__main__":  # `python recipes/cifar100.py`: run this file as the
     _sys.exit(run())
 
 import logging
-import math
 import os
 from typing import Any, Literal, NoReturn, Optional
 
@@ -53,15 +58,18 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
-from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.ops import BACKENDS
+from lightning_mrs.swap import iter_attention_layers
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
-from recipes.models import build_model
+from recipes.models import build_model, check_input_size, check_qk_norms
+from recipes.optim import build_optimizer, optimizer_options, warmup_cosine
 
-__all__ = ["CifarClassifier", "ImageDataModule", "ValidateAtEnd", "build_model", "main", "run"]
+__all__ = ["CifarClassifier", "ImageDataModule", "ValidateAtEnd", "build_cli", "build_model", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
+QK_NORMS = ("none", "mrs", "rms", "layer")
 
 
 class CifarClassifier(pl.LightningModule):
@@ -71,13 +79,17 @@ class CifarClassifier(pl.LightningModule):
     the same architecture from the saved hyperparameters and loads the weights.
 
     Args:
-        arch: torchvision or timm model name (see :func:`build_model`).
+        arch: torchvision or timm model name (see :func:`build_model`); a ViT is sized by
+            ``arch_kwargs`` (``img_size`` must equal ``--data.image_size``).
         norm: ``mrs`` (MRSNorm), ``rms`` (RMSNorm), ``layer`` (LayerNorm / GroupNorm(1, C))
-            replace every norm layer; ``batch`` keeps the model's own norms (BatchNorm).
-        lr: peak learning rate (reached at the end of the warm-up).
-        momentum: SGD momentum.
-        nesterov: Nesterov momentum.
-        weight_decay: SGD weight decay (on every parameter, as in the usual CIFAR recipe).
+            replace every norm layer; ``batch`` keeps the model's own norms (a ResNet's
+            BatchNorm, a ViT's LayerNorm: for a ViT ``layer`` keeps them too, they already are).
+        lr: peak learning rate (reached at the end of the warm-up); ``None``: 0.1 (sgd), 1e-3 (adamw).
+        momentum: SGD momentum (``None``: 0.9); sgd only.
+        nesterov: Nesterov momentum (``None``: True); sgd only.
+        weight_decay: ``None``: 5e-4 (sgd, on every parameter, as in the usual CIFAR recipe) or
+            0.05 (adamw, decoupled, on weight matrices only: not on norms, biases, position
+            embeddings and tokens; see :mod:`recipes.optim`).
         warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
         schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
         num_classes: classifier outputs (the recipe sets it from ``--data.dataset``: ``data.num_classes``).
@@ -87,21 +99,30 @@ class CifarClassifier(pl.LightningModule):
         mrs_backend: implementation of the MRSNorm layers (``norm=mrs``): ``auto`` (fused
             kernels where available), ``eager`` (the plain torch formula), or one of
             :data:`lightning_mrs.ops.BACKENDS`. Same maths; a speed/debugging knob.
+        qk_norm: ``none``: no QK-norm is added (one the model has follows ``norm``);
+            ``mrs`` (phasor attention), ``rms``, ``layer``: a per-head norm of that kind on
+            the queries and keys of every attention layer (``swap_norms(qk_norm=...)``),
+            whatever ``norm`` does to the body. Every attention layer must get one (an odd
+            head width cannot take MRSNorm, a CNN has none): otherwise a usage error.
+        optimizer: ``sgd`` (the ResNet recipe) or ``adamw`` (the transformer recipe).
+        betas: AdamW's betas (``None``: (0.9, 0.999)); adamw only.
 
     Example:
         >>> model = CifarClassifier(arch="timm:test_resnet", norm="mrs")  # doctest: +SKIP
         >>> model(torch.randn(2, 3, 32, 32)).shape  # doctest: +SKIP
         torch.Size([2, 100])
+        >>> vit = CifarClassifier(arch="timm:vit_tiny_patch16_224", norm="batch", qk_norm="mrs",
+        ...                       optimizer="adamw", arch_kwargs={"img_size": 32, "patch_size": 4})  # doctest: +SKIP
     """
 
     def __init__(
         self,
         arch: str = "resnet18",
         norm: Literal["mrs", "rms", "layer", "batch"] = "mrs",
-        lr: float = 0.1,
-        momentum: float = 0.9,
-        nesterov: bool = True,
-        weight_decay: float = 5e-4,
+        lr: Optional[float] = None,
+        momentum: Optional[float] = None,
+        nesterov: Optional[bool] = None,
+        weight_decay: Optional[float] = None,
         warmup_frac: float = 0.05,
         schedule: Literal["cosine", "constant"] = "cosine",
         num_classes: int = 100,
@@ -109,23 +130,33 @@ class CifarClassifier(pl.LightningModule):
         label_smoothing: float = 0.0,
         mrs_backend: str = "auto",
         arch_kwargs: Optional[dict[str, Any]] = None,
+        qk_norm: Literal["none", "mrs", "rms", "layer"] = "none",
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        betas: Optional[tuple[float, float]] = None,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
             raise UsageError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
+        if qk_norm not in QK_NORMS:
+            raise UsageError(f"--model.qk_norm {qk_norm!r} is not valid; choose one of {list(QK_NORMS)}.")
         if schedule not in ("cosine", "constant"):
             raise UsageError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
         if not 0.0 <= warmup_frac < 1.0:
             raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
         if mrs_backend not in BACKENDS:
             raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
-        if lr <= 0:
-            raise UsageError(f"--model.lr must be > 0, got {lr}.")
+        chosen = optimizer_options(optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                    nesterov=nesterov, betas=betas)
         self.save_hyperparameters()
+        self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
         self.model = build_model(arch, num_classes, cifar_stem, arch_kwargs)
         self.swap_report = None
-        if norm != "batch":
-            self.swap_report = swap_norms(self.model, target=norm)  # printed when fitting starts
+        target = None if norm == "batch" else norm  # batch: the model's own norms stay
+        if target is not None or qk_norm != "none":
+            self.swap_report = swap_norms(self.model, target=target,  # printed when fitting starts
+                                          qk_norm=None if qk_norm == "none" else qk_norm)
+        if qk_norm != "none":
+            check_qk_norms(self.model, qk_norm, self.swap_report, arch)
         for module in self.model.modules():
             if isinstance(module, (MRSNorm, MRSNorm2d)):
                 module.backend = mrs_backend
@@ -176,21 +207,11 @@ class CifarClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = torch.optim.SGD(
-            self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov, weight_decay=hp.weight_decay
-        )
+        optimizer = build_optimizer(hp.optimizer, self.model, self.parameters(), lr=hp.lr,
+                                    weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
+                                    betas=hp.betas)
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(round(hp.warmup_frac * total))
-        cosine = hp.schedule == "cosine"
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            if not cosine:
-                return 1.0
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
+        factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -249,6 +270,7 @@ class CifarCLI(LightningCLI):
         # the head matches the data: 100 (cifar100, synthetic), 10 (digits), the folder's classes
         parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
         parser.add_lightning_class_args(GradientHomogeneityMonitor, "monitor")
+        parser.add_lightning_class_args(AttentionMonitor, "attention")  # dropped for models without attention
         parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                             help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
 
@@ -268,16 +290,20 @@ class CifarCLI(LightningCLI):
         # before the trainer talks and DDP workers start, so that a missing dataset is one
         # message from one process; other local ranks (torchrun/SLURM start them all) rely on
         # local rank 0, as Lightning's prepare_data does.
+        check_input_size(self.model.model, self.datamodule.image_size)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
             raise UsageError(f"a --trainer option: {err}") from None
+        if next(iter_attention_layers(self.model), None) is None:  # a CNN: no "no attention layers" warning
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, AttentionMonitor)]
+        return trainer
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """Parse the command line, check the data, and fit."""
+def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
+    """Parse the command line, build the model, data and trainer, and check the data; nothing trains."""
     seed_log = logging.getLogger("lightning.fabric.utilities.seed")
     level = seed_log.level
     seed_log.setLevel(logging.WARNING)  # "Seed set to" only once the configuration is valid
@@ -298,6 +324,12 @@ def main(args: Optional[list[str]] = None) -> None:
     finally:
         seed_log.setLevel(level)
     rank_zero_info(f"Seed set to {cli.config.seed_everything}")
+    return cli
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Parse the command line, check the data, and fit."""
+    cli = build_cli(args)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
 
 

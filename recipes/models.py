@@ -3,6 +3,11 @@
 Mistakes in ``--model.arch``/``--model.arch_kwargs`` raise :class:`recipes.errors.UsageError`
 (one line naming the option and the fix).
 
+Vision transformers take the input size and their shape from ``arch_kwargs``, e.g. a small
+timm ViT for 32x32 CIFAR: ``build_model("timm:vit_tiny_patch16_224", 100, arch_kwargs={"img_size":
+32, "patch_size": 4, "depth": 6})``. :func:`check_input_size` compares a model's fixed input
+size with the data's before anything trains.
+
 Example:
     >>> import torch
     >>> build_model("timm:test_resnet", num_classes=10)(torch.randn(2, 3, 32, 32)).shape
@@ -16,9 +21,10 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_mrs.swap import iter_attention_layers
 from recipes.errors import UsageError
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "check_input_size", "check_qk_norms", "input_size"]
 
 
 def build_model(
@@ -102,3 +108,47 @@ def _cifar_stem(model: nn.Module) -> None:
     model.maxpool = nn.Identity()
 
 
+
+
+def input_size(model: nn.Module) -> Optional[tuple[int, int]]:
+    """The (height, width) a model only accepts (timm ViTs, torchvision ViT), ``None`` when any size goes."""
+    patch_embed = getattr(model, "patch_embed", None)
+    if patch_embed is not None and getattr(patch_embed, "strict_img_size", False):
+        size = getattr(patch_embed, "img_size", None)
+        if size is not None:
+            return tuple(size)  # type: ignore[return-value]
+    size = getattr(model, "image_size", None)  # torchvision's VisionTransformer
+    if isinstance(size, int) and hasattr(model, "conv_proj"):
+        return size, size
+    return None
+
+
+def check_input_size(model: nn.Module, image_size: int, option: str = "--data.image_size") -> None:
+    """Raise a usage error when ``model`` only takes another input size than ``image_size``.
+
+    Example:
+        >>> vit = build_model("timm:vit_tiny_patch16_224", 10, arch_kwargs={"img_size": 32, "depth": 1})
+        >>> check_input_size(vit, 16)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        recipes.errors.UsageError: --data.image_size 16 does not fit the model, which takes 32x32 images: ...
+    """
+    size = input_size(model)
+    if size is not None and tuple(size) != (image_size, image_size):
+        key = "img_size" if hasattr(model, "patch_embed") else "image_size"
+        raise UsageError(f"{option} {image_size} does not fit the model, which takes {size[0]}x{size[1]} images: "
+                         f"give the model \"{key}\": {image_size} in --model.arch_kwargs, or {option} {size[0]}.")
+
+
+def check_qk_norms(model: nn.Module, kind: str, report: Any, arch: str) -> None:
+    """Every attention layer of ``model`` must have a QK-norm of ``kind`` after the swap, or a usage error."""
+    layers = list(iter_attention_layers(model))
+    if not layers:
+        raise UsageError(f"--model.qk_norm {kind}: {arch!r} has no attention layer a QK-norm can be added to; "
+                         "use a transformer (e.g. timm:vit_tiny_patch16_224) or --model.qk_norm none.")
+    missing = [name for name, _, info in layers if info.qk_norm != kind]
+    if missing:
+        skipped = getattr(report, "attention_skipped", {}) or {}
+        why = skipped.get(missing[0], "its QK-norm is of another kind")
+        raise UsageError(f"--model.qk_norm {kind}: no {kind} QK-norm in {len(missing)} of {len(layers)} attention "
+                         f"layers of {arch!r} (e.g. {missing[0]}: {why}).")

@@ -1,6 +1,8 @@
-"""The paper's stress sweep: norms x learning rates x batch sizes x seeds, with computed verdicts.
+"""The stress sweeps: arms x learning rates x batch sizes x seeds, with computed verdicts.
 
-Run from the repository root:
+Two sweeps share this runner (:mod:`recipes.stress_sweeps`): ``--sweep norm`` (the default, the
+paper's) varies the body norm of a ResNet; ``--sweep qk`` (after Wortsman et al. 2023, arXiv
+2309.14322) varies the QK-norm of a small ViT whose LayerNorms stay. Run from the repository root:
 
     # offline, on a CPU: scikit-learn's handwritten digits, the defaults for that data
     # (norms layer rms mrs batch; lrs 0.03 0.1 0.3 0.4 1 3; batch sizes 32 64 128; seeds 0 1 2;
@@ -10,21 +12,31 @@ Run from the repository root:
     python recipes/stress.py --dataset digits --quick
     # the paper's grid on CIFAR-100 (a GPU; ResNet-18 with the CIFAR stem)
     python recipes/stress.py --dataset cifar100 --lrs 0.1 0.3 0.4 --epochs 30
+    # the transformer sweep, offline on a CPU (QK-norms none layer rms mrs; lrs 0.001 0.003 0.01
+    # 0.03 0.1 0.3; batch size 64; seeds 0 1 2; 20 epochs of a 4-block ViT on 2x2 patches of
+    # the 8x8 scans; AdamW; 5 % warm-up); --quick: one seed, lrs 0.003 0.03 0.3, 10 epochs
+    python recipes/stress.py --sweep qk --dataset digits
+    # on CIFAR-100 (a GPU; ViT-Lite-7/4)
+    python recipes/stress.py --sweep qk --dataset cifar100 --epochs 50
 
-Every cell trains ``recipes/cifar100.py``'s ``CifarClassifier`` (SGD, momentum 0.9, Nesterov,
-cosine schedule stepped per step) on ``recipes/data.py``'s ``ImageDataModule`` and records the
-best and final validation top-1, the first optimizer step whose training loss was non-finite
-(the cell then stops and counts as chance accuracy from there on) and the mean
-``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of ``GradientHomogeneityMonitor``.
-Outputs in ``--out`` (default ``runs/stress_<dataset>``):
+Every cell trains ``recipes/cifar100.py``'s ``CifarClassifier`` (``norm``: SGD, momentum 0.9,
+Nesterov; ``qk``: AdamW; cosine schedule stepped per step) on ``recipes/data.py``'s
+``ImageDataModule`` and records the best and final validation top-1, the first optimizer step
+whose training loss was non-finite (the cell then stops and counts as chance accuracy from
+there on) and the mean ``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of
+``GradientHomogeneityMonitor``; a ``qk`` cell also the largest ``attention/all/logit_max``, the
+smallest ``attention/all/entropy_min`` and the largest ``attention/all/collapsed_frac`` of
+``AttentionMonitor`` over training.
+Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``):
 
 - ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record.
   A rerun with the same ``--out`` skips these cells, so an interrupted sweep loses only the
   cells in progress.
 - ``results.csv`` (one row per cell), ``robustness.csv`` (LR sensitivity and the largest lr
-  still reaching 90 % of the best, per norm and batch size), ``results.md`` (setup, the
-  verdict on each of the paper's claims computed from ``results.csv``, the robustness tables,
-  mean ± sd over seeds per cell) and ``results.png`` (top-1 against lr per batch size).
+  still reaching 90 % of the best, per arm and batch size), ``results.md`` (setup, the
+  verdict on each claim computed from ``results.csv``, the robustness tables, mean ± sd over
+  seeds per cell) and ``results.png`` (top-1 against lr per batch size; ``qk``: top-1 and the
+  largest attention logit against lr).
 - ``tb/<cell>/``: each cell's TensorBoard run (``tensorboard --logdir <out>/tb``).
 - ``settings.json``: the settings of the sweep; a rerun with different settings is refused.
 
@@ -57,6 +69,7 @@ from typing import Any, Callable, Iterator, Optional
 from recipes import stress_report
 from recipes.errors import report
 from recipes.stress_args import parse_args, usable_cpus
+from recipes.stress_sweeps import ATTENTION_QUERIES, NORM
 
 __all__ = ["cell_name", "main", "parse_args", "run", "sweep_settings"]
 
@@ -72,8 +85,8 @@ _SPLITS = {
 
 
 def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
-    """The cell's id: its TensorBoard run name and the stem of its record file."""
-    return f"{norm}_lr{lr:g}_bs{batch_size}_seed{seed}"
+    """The ``norm`` sweep's cell id (:meth:`recipes.stress_sweeps.Sweep.cell_name`)."""
+    return NORM.cell_name(norm, lr, batch_size, seed)
 
 
 def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,8 +97,11 @@ def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: getattr(args, k) for k in keep}
     if settings["precision"] is None:
         settings["precision"] = "32-true" if args.accelerator == "cpu" else "auto: bf16-mixed/16-mixed on GPUs"
-    settings.update(optimizer="SGD momentum 0.9 nesterov, weight decay on every parameter",
-                    split=_SPLITS[args.dataset], devices=1)
+    sweep = args.sweep
+    if sweep is not NORM:  # a norm sweep's settings stay as they were, so its older --out dirs resume
+        settings = {"sweep": sweep.name, **settings, "body_norms": "the model's own (kept)",
+                    "attention_monitor": f"every {args.log_every} steps, {ATTENTION_QUERIES} sampled queries per layer"}
+    settings.update(optimizer=sweep.optimizer_text, split=_SPLITS[args.dataset], devices=1)
     return settings
 
 
@@ -107,9 +123,9 @@ def _work(args: argparse.Namespace, out: Path, cell: tuple[str, float, int, int]
     """Train one cell (in this process or a pool worker); its record with wall and CPU seconds."""
     from recipes.stress_cell import run_cell  # torch, Lightning: only where a cell trains
 
-    norm, lr, bs, seed = cell
+    arm, lr, bs, seed = cell
     start, cpu = time.monotonic(), time.process_time()
-    record = run_cell(args, out, cell_name(*cell), norm=norm, lr=lr, batch_size=bs, seed=seed)
+    record = run_cell(args, out, args.sweep.cell_name(*cell), arm=arm, lr=lr, batch_size=bs, seed=seed)
     record["wall_s"] = round(time.monotonic() - start, 2)
     record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
     return record
@@ -162,10 +178,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = sweep_settings(args)
     check_settings(out, settings)
 
-    grid = list(itertools.product(args.norms, args.lrs, args.batch_sizes, args.seeds))
+    grid = list(itertools.product(args.arms, args.lrs, args.batch_sizes, args.seeds))
     mine = [c for i, c in enumerate(grid) if i % args.shard_n == args.shard_k]
     done = {r["cell"] for r in stress_report.load_records(out)}
-    todo = [c for c in mine if cell_name(*c) not in done]
+    todo = [c for c in mine if args.sweep.cell_name(*c) not in done]
     jobs = min(args.jobs, max(1, len(todo)))
     print(f"stress sweep: {len(grid)} cells in the grid, {len(mine) - len(todo)} of this shard already done, "
           f"{len(todo)} to run ({jobs} at a time) -> {out}", flush=True)
@@ -186,6 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 line(f"[{i}/{len(todo)}] {record['cell']}: final top-1 {100 * record['final_top1']:.2f} %, "
                      f"best {100 * record['best_top1']:.2f} %"
                      + (f", DIVERGED at step {record['divergence_step']}" if record["diverged"] else "")
+                     + (f", max attention logit {record['max_logit']:.3g}" if record.get("max_logit") else "")
                      + f" ({record['wall_s']:.0f} s, {record['cpu_s']:.0f} s CPU)")
         finally:
             close()

@@ -1,8 +1,9 @@
-"""The stress sweep's command line: the grid, the per-dataset defaults, ``--quick``, and the help text.
+"""The stress sweep's command line: the sweep, the grid, the per-dataset defaults, ``--quick``, the help.
 
-Every option's help states its default once; a default that depends on ``--dataset`` (or on
-``--quick``) is written per dataset from :data:`DATASET_DEFAULTS` / :data:`QUICK`, the same
-tables the parser fills the options from, so the help cannot drift from the code.
+Every option's help states its default once; a default that depends on ``--sweep``,
+``--dataset`` or ``--quick`` is written per sweep and dataset from
+:data:`recipes.stress_sweeps.SWEEPS`, the same tables the parser fills the options from, so
+the help cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -11,33 +12,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
+
+from recipes.stress_sweeps import NORM, SWEEPS, Sweep
 
 __all__ = ["DATASET_DEFAULTS", "GRID", "QUICK", "parse_args", "usable_cpus"]
 
-#: the default grid: the paper's lrs (0.1, 0.3, 0.4) inside a log-spaced axis from 0.03 to 3
-GRID: dict[str, list[Any]] = {
-    "norms": ["layer", "rms", "mrs", "batch"],
-    "lrs": [0.03, 0.1, 0.3, 0.4, 1.0, 3.0],
-    "batch_sizes": [32, 64, 128],
-    "seeds": [0, 1, 2],
-}
-#: ``--quick``: a coarse look (one seed, three lrs, two batch sizes, shorter training on digits)
-QUICK: dict[str, Any] = {"lrs": [0.1, 0.4, 3.0], "batch_sizes": [32, 128], "seeds": [0], "epochs": {"digits": 5}}
-
-_NARROW_RESNET = {"layers": [1, 1, 1, 1], "channels": [8, 16, 32, 64], "stem_width": 8}
-_SYNTHETIC_RESNET = {"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}
-#: per dataset: model, input and budget defaults (``epochs`` None: --epochs/--max-steps required)
-DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
-    # the 8x8 scans at their own size; a 4-block ResNet of 8-64 channels; no augmentation: 10
-    # epochs bring every norm above 93 % at lr 0.1 and batch 128, and a cell costs seconds
-    "digits": {"arch": "timm:resnet18", "arch_kwargs": _NARROW_RESNET, "cifar_stem": True, "image_size": 8,
-               "augment": False, "epochs": 10, "accelerator": "cpu"},
-    "cifar100": {"arch": "resnet18", "arch_kwargs": None, "cifar_stem": True, "image_size": 32, "augment": True,
-                 "epochs": None, "accelerator": "auto"},
-    "synthetic": {"arch": "timm:resnet18", "arch_kwargs": _SYNTHETIC_RESNET, "cifar_stem": False, "image_size": 32,
-                  "augment": True, "epochs": None, "accelerator": "auto"},
-}
+#: the ``norm`` sweep's default grid, ``--quick`` and per-dataset defaults (the other sweep's:
+#: :data:`recipes.stress_sweeps.QK`)
+GRID: dict[str, list[Any]] = {"norms": NORM.grid["arms"], **{k: v for k, v in NORM.grid.items() if k != "arms"}}
+QUICK: dict[str, Any] = NORM.quick
+DATASET_DEFAULTS: dict[str, dict[str, Any]] = NORM.datasets
+_AXES = ("lrs", "batch_sizes", "seeds")
+_PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")
 
 
 def usable_cpus() -> int:
@@ -48,12 +35,23 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _per_dataset(key: str, show: Any = repr) -> str:
-    parts = []
-    for name, d in DATASET_DEFAULTS.items():
-        value = d[key]
-        parts.append(f"{name} {'required' if value is None and key == 'epochs' else show(value)}")
-    return "(default: per dataset: " + "; ".join(parts) + ")"
+def _per_dataset(key: str, show: Callable[[Any], str] = repr) -> str:
+    def one(sweep: Sweep) -> str:
+        parts = []
+        for name, d in sweep.datasets.items():
+            value = d[key]
+            parts.append(f"{name} {'required' if value is None and key == 'epochs' else show(value)}")
+        return "; ".join(parts)
+
+    return f"(default: per sweep and dataset: norm: {one(NORM)} | qk: {one(SWEEPS['qk'])})"
+
+
+def _per_sweep(show: Callable[[Sweep], str]) -> str:
+    return "(default: " + "; ".join(f"--sweep {s.name}: {show(s)}" for s in SWEEPS.values()) + ")"
+
+
+def _axis(key: str) -> Callable[[Sweep], str]:
+    return lambda s: _list(s.grid[key]) + (f" (--quick: {_list(s.quick[key])})" if key in s.quick else "")
 
 
 def _flag(value: bool) -> str:
@@ -74,35 +72,43 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    qk = SWEEPS["qk"]
     p = _OneLineParser(
-        description="The paper's stress sweep (norms x learning rates x batch sizes x seeds) through "
-                    "recipes/cifar100.py's classifier; results.csv, robustness.csv, results.md (with computed "
-                    "verdicts on the paper's claims) and results.png in --out.",
+        description="A stress sweep (arms x learning rates x batch sizes x seeds) through recipes/cifar100.py's "
+                    "classifier: --sweep norm, the paper's (body norms of a ResNet, SGD), or --sweep qk (QK-norms of "
+                    "a small ViT, AdamW, after Wortsman et al. 2023); results.csv, robustness.csv, results.md (with "
+                    "computed verdicts on the claims) and results.png in --out.",
     )
     g = p.add_argument_group("grid")
-    g.add_argument("--norms", nargs="+", choices=["mrs", "rms", "layer", "batch"],
-                   help=f"norms to compare; batch keeps the model's BatchNorm (default: {_list(GRID['norms'])})")
-    g.add_argument("--lrs", nargs="+", type=float,
-                   help=f"peak learning rates (default: {_list(GRID['lrs'])}; --quick: {_list(QUICK['lrs'])})")
-    g.add_argument("--batch-sizes", nargs="+", type=int,
-                   help=f"(default: {_list(GRID['batch_sizes'])}; --quick: {_list(QUICK['batch_sizes'])})")
-    g.add_argument("--seeds", nargs="+", type=int,
-                   help=f"(default: {_list(GRID['seeds'])}; --quick: {_list(QUICK['seeds'])})")
+    g.add_argument("--sweep", choices=list(SWEEPS), default=NORM.name,
+                   help="norm: the paper's sweep of a ResNet's body norms; qk: the QK-norms of a ViT whose "
+                        "LayerNorms stay (default: norm)")
+    g.add_argument("--norms", nargs="+", choices=list(NORM.arms),
+                   help=f"--sweep norm: norms to compare; batch keeps the model's BatchNorm "
+                        f"(default: {_list(NORM.grid['arms'])})")
+    g.add_argument("--qk-norms", nargs="+", choices=list(qk.arms),
+                   help=f"--sweep qk: QK-norms to compare; none adds none (default: {_list(qk.grid['arms'])})")
+    g.add_argument("--lrs", nargs="+", type=float, help="peak learning rates " + _per_sweep(_axis("lrs")))
+    g.add_argument("--batch-sizes", nargs="+", type=int, help=_per_sweep(_axis("batch_sizes")))
+    g.add_argument("--seeds", nargs="+", type=int, help=_per_sweep(_axis("seeds")))
     g.add_argument("--quick", action="store_true",
                    help="a coarse look in a few minutes: the smaller grid and budget marked --quick, into its own "
                         "--out (default: off)")
     b = p.add_argument_group("training")
     budget = b.add_mutually_exclusive_group()
+    quick_epochs = "; ".join(f"{s.name} {s.quick['epochs']['digits']}" for s in SWEEPS.values())
     budget.add_argument("--epochs", type=int, help="training epochs per cell " + _per_dataset("epochs", str)[:-1]
-                        + f"; --quick on digits: {QUICK['epochs']['digits']})")
+                        + f"; --quick on digits: {quick_epochs})")
     budget.add_argument("--max-steps", type=int, help="optimizer steps per cell, instead of --epochs (default: unset)")
-    b.add_argument("--warmup-frac", type=float, default=0.0,
-                   help="linear warm-up share of the steps; 0: the stress hits the peak lr at once (default: 0)")
+    b.add_argument("--warmup-frac", type=float,
+                   help="linear warm-up share of the steps; 0: the stress hits the peak lr at once "
+                        + _per_sweep(lambda s: f"{s.warmup_frac:g}"))
     b.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="lr schedule after the warm-up, stepped per optimizer step (default: cosine)")
-    b.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay (default: 0.0005)")
+    b.add_argument("--weight-decay", type=float,
+                   help="weight decay " + _per_sweep(lambda s: f"{s.weight_decay:g} ({s.optimizer})"))
     b.add_argument("--log-every", type=int, default=10,
-                   help="log and capture the phasor gradient statistics every N steps (default: 10)")
+                   help="log and capture the monitors' statistics every N steps (default: 10)")
     b.add_argument("--val-every", type=int, help="validate every N steps, always also at the end (default: every epoch)")
     b.add_argument("--limit-val-batches", type=float, default=1.0,
                    help="fraction (<= 1) or number (> 1) of validation batches (default: 1.0, all)")
@@ -135,33 +141,59 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: 0/1, all)")
     r.add_argument("--progress", action="store_true", help="also show Lightning's per-step progress bar (default: off)")
     r.add_argument("--out", help="output directory; a rerun resumes it (default: runs/stress_<dataset>, "
-                                 "runs/stress_<dataset>_quick with --quick)")
+                                 "runs/stress_qk_<dataset> with --sweep qk; _quick appended with --quick)")
     return p
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Parse ``argv``, fill the dataset's and ``--quick``'s defaults; user mistakes exit 2."""
+    """Parse ``argv``, fill the sweep's, the dataset's and ``--quick``'s defaults; user mistakes exit 2.
+
+    ``args.sweep`` becomes the :class:`~recipes.stress_sweeps.Sweep`, ``args.arms`` the values
+    of its arm (``args.norms`` or ``args.qk_norms``, filled too).
+    """
     p = _parser()
     args = p.parse_args(argv)
-    for key, value in GRID.items():
+    sweep = SWEEPS[args.sweep]
+    for other in SWEEPS.values():
+        if other is not sweep and getattr(args, other.flag[2:].replace("-", "_")) is not None:
+            p.error(f"{other.flag} is an option of --sweep {other.name}; --sweep {sweep.name} varies {sweep.flag}")
+    arms_key = sweep.flag[2:].replace("-", "_")
+    if getattr(args, arms_key) is None:
+        setattr(args, arms_key, list(sweep.grid["arms"]))
+    args.arms = getattr(args, arms_key)
+    for key in _AXES:
         if getattr(args, key) is None:
-            setattr(args, key, list(QUICK[key]) if args.quick and key in QUICK else list(value))
-    defaults = DATASET_DEFAULTS[args.dataset]
-    for key in ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator"):
+            setattr(args, key, list(sweep.quick[key]) if args.quick and key in sweep.quick else list(sweep.grid[key]))
+    defaults = sweep.datasets[args.dataset]
+    for key in _PER_DATASET:
         if getattr(args, key) is None:
             value = defaults[key]
             setattr(args, key, dict(value) if isinstance(value, dict) else value)
+    for key in ("weight_decay", "warmup_frac"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(sweep, key))
     if args.epochs is None and args.max_steps is None:
-        args.epochs = QUICK["epochs"].get(args.dataset) if args.quick else None
+        args.epochs = sweep.quick["epochs"].get(args.dataset) if args.quick else None
         args.epochs = args.epochs or defaults["epochs"]
         if args.epochs is None:
             p.error(f"--epochs or --max-steps is required for --dataset {args.dataset}")
     if args.out is None:
-        args.out = os.path.join("runs", f"stress_{args.dataset}" + ("_quick" if args.quick else ""))
+        stem = "stress" if sweep is NORM else f"stress_{sweep.name}"
+        args.out = os.path.join("runs", f"{stem}_{args.dataset}" + ("_quick" if args.quick else ""))
     for name in ("epochs", "max_steps", "log_every", "val_every", "image_size", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    size = (args.arch_kwargs or {}).get("img_size") if isinstance(args.arch_kwargs, dict) else None
+    if size is not None and size != args.image_size:  # a ViT takes one input size only
+        p.error(f"--image-size {args.image_size} does not fit the model's img_size {size} (--arch-kwargs): "
+                "give both the same size")
+    if not 0.0 <= args.warmup_frac < 1.0:
+        p.error(f"--warmup-frac must lie in [0, 1), got {args.warmup_frac}")
+    if args.weight_decay < 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if any(lr <= 0 for lr in args.lrs):
+        p.error(f"--lrs must all be > 0, got {_list(args.lrs)}")
     try:
         k, n = (int(v) for v in args.shard.split("/"))
         assert n >= 1 and 0 <= k < n
@@ -170,4 +202,5 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.shard_k, args.shard_n = k, n
     if args.jobs is None:
         args.jobs = usable_cpus() if args.accelerator == "cpu" else 1
+    args.sweep = sweep
     return args

@@ -1,4 +1,7 @@
-"""One cell of the stress sweep: train ``CifarClassifier`` once and return its record.
+"""One cell of a stress sweep: train ``CifarClassifier`` once and return its record.
+
+The ``norm`` sweep's arm is the body norm (SGD); the ``qk`` sweep's is the QK-norm of a ViT whose
+own norms stay (AdamW), and its record adds the AttentionMonitor's extremes over training.
 
 Imported by ``stress.py`` only when there are cells to run (torch and Lightning load here).
 A cell whose training loss turns non-finite stops there and counts as chance accuracy from that
@@ -29,6 +32,7 @@ from lightning_mrs.callbacks import GradientHomogeneityMonitor
 from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
+from recipes.stress_sweeps import ATTENTION_QUERIES
 
 __all__ = ["DivergenceStop", "MemoryLogger", "check_data", "counted_top1", "run_cell"]
 
@@ -139,9 +143,41 @@ def _finite_mean(points: list[tuple[int, float]]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: float, batch_size: int,
+def _extreme(points: list[tuple[int, float]], pick: Any) -> Optional[float]:
+    values = [v for _, v in points if math.isfinite(v)]
+    return pick(values) if values else None
+
+
+def _model(args: argparse.Namespace, arm: str, lr: float, num_classes: int) -> CifarClassifier:
+    sweep = args.sweep
+    arms = {"norm": arm} if sweep.arm == "norm" else {"norm": "batch", sweep.arm: arm}  # batch: the model's own
+    return CifarClassifier(arch=args.arch, lr=lr, weight_decay=args.weight_decay, optimizer=sweep.optimizer,
+                           warmup_frac=args.warmup_frac, schedule=args.schedule, num_classes=num_classes,
+                           mrs_backend=args.mrs_backend, arch_kwargs=args.arch_kwargs, cifar_stem=args.cifar_stem,
+                           **arms)
+
+
+def _monitors(args: argparse.Namespace) -> list[Callback]:
+    monitors: list[Callback] = [GradientHomogeneityMonitor(log_every_n_steps=args.log_every, on_nonfinite="ignore")]
+    if args.sweep.arm == "qk_norm":
+        from lightning_mrs.callbacks import AttentionMonitor
+
+        monitors.append(AttentionMonitor(log_every_n_steps=args.log_every, max_queries=ATTENTION_QUERIES))
+    return monitors
+
+
+def _attention(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    """The AttentionMonitor's extremes over the logged training steps (finite values: before any divergence)."""
+    return {
+        "max_logit": _extreme(history.get("attention/all/logit_max", []), max),
+        "min_entropy": _extreme(history.get("attention/all/entropy_min", []), min),
+        "max_collapsed_frac": _extreme(history.get("attention/all/collapsed_frac", []), max),
+    }
+
+
+def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: float, batch_size: int,
              seed: int) -> dict[str, Any]:
-    """Train one cell and return its record (the row of ``results.csv`` plus curves)."""
+    """Train one cell of ``args.sweep`` and return its record (the row of ``results.csv`` plus curves)."""
     for noisy in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per cell, not a page
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -149,10 +185,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
     pl.seed_everything(seed, workers=True, verbose=False)
 
     dm = _datamodule(args, batch_size)
-    model = CifarClassifier(arch=args.arch, norm=norm, lr=lr, weight_decay=args.weight_decay,
-                            warmup_frac=args.warmup_frac, schedule=args.schedule, num_classes=dm.num_classes,
-                            mrs_backend=args.mrs_backend, arch_kwargs=args.arch_kwargs,
-                            cifar_stem=args.cifar_stem)
+    model = _model(args, arm, lr, dm.num_classes)
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
         shutil.rmtree(tb_dir)
@@ -167,8 +200,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
         max_epochs=args.epochs if args.epochs is not None else -1,
         max_steps=args.max_steps if args.max_steps is not None else -1,
         logger=[tb, memory],
-        callbacks=[GradientHomogeneityMonitor(log_every_n_steps=args.log_every, on_nonfinite="ignore"),
-                   divergence, ValidateAtEnd()],
+        callbacks=[*_monitors(args), divergence, ValidateAtEnd()],
         log_every_n_steps=args.log_every,
         val_check_interval=args.val_every,
         check_val_every_n_epoch=None if args.val_every else 1,
@@ -185,8 +217,9 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
     val = counted_top1(memory.history.get("val/top1", []), diverged_at, 1.0 / dm.num_classes)
     tops = [v for _, v in val if math.isfinite(v)]
     losses = divergence.losses
-    return {
-        "cell": name, "norm": norm, "lr": lr, "batch_size": batch_size, "seed": seed,
+    history = memory.history
+    record = {
+        "cell": name, args.sweep.arm: arm, "lr": lr, "batch_size": batch_size, "seed": seed,
         "arch": args.arch, "dataset": args.dataset, "num_classes": dm.num_classes,
         "steps": trainer.global_step,
         "planned_steps": int(trainer.estimated_stepping_batches),
@@ -201,3 +234,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, norm: str, lr: f
         "tb_run": str(Path("tb") / name),
         "curves": {"train_loss": _thin(losses), "val_top1": [[s, v] for s, v in val]},
     }
+    if args.sweep.arm == "qk_norm":
+        record.update(_attention(history))
+        record["curves"]["logit_max"] = _thin(history.get("attention/all/logit_max", []))
+    return record

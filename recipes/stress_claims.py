@@ -27,7 +27,8 @@ from recipes.stress_stats import (MIN_SEEDS, Interval, Side, Verdict, mean_inter
                                   variance_ratio_interval, verdict, welch_interval)
 
 __all__ = ["BASELINES", "COLLAPSE_FRACTION", "CONVERGE_FRACTION", "Claim", "Comparison", "IMMEDIATE_FRACTION",
-           "LEVEL", "MARGIN", "Outcome", "PAPER_BATCH_SIZES", "PAPER_LRS", "claims", "evaluate"]
+           "LEVEL", "MARGIN", "Outcome", "PAPER_BATCH_SIZES", "PAPER_LRS", "arm_values", "claims", "evaluate",
+           "unmeasurable", "welch_comparison"]
 
 LEVEL = 0.95
 PAPER_LRS = (0.1, 0.3, 0.4)
@@ -85,8 +86,10 @@ class Claim:
 
 
 # ----------------------------------------------------------------------------- values of one arm
-def _values(rows: list[dict[str, Any]], norm: str, lr: float, bs: int, get: Callable[[dict], float]) -> Values:
-    cells = select(rows, norm=norm, lr=lr, batch_size=bs)
+def arm_values(rows: list[dict[str, Any]], norm: str, lr: float, bs: int, get: Callable[[dict], Optional[float]],
+               by: str = "norm") -> Values:
+    """The per-seed values ``get(row)`` of one arm (``by`` = ``norm``) at one lr and batch size, or why none."""
+    cells = select(rows, lr=lr, batch_size=bs, **{by: norm})
     where = f"{norm} at lr {lr:g}, batch {bs}"
     if not cells:
         return [], f"missing cells: {where}"
@@ -109,14 +112,22 @@ def _describe(name: str, values: list[float], unit: str) -> str:
     return f"{name} {mean:.3g}{spread} (n={n})"
 
 
-def _welch(label: str, a: tuple[str, Values], b: tuple[str, Values], side: Side, threshold: float,
-           scale: float = 1.0, unit: str = "pt", optional: bool = False) -> Comparison:
+def welch_comparison(label: str, a: tuple[str, Values], b: tuple[str, Values], side: Side, threshold: float,
+                     scale: float = 1.0, unit: str = "pt", optional: bool = False) -> Comparison:
+    """Welch's interval of ``mean(a) - scale * mean(b)`` against ``threshold`` (``a``, ``b``: name, values)."""
     (name_a, (va, why_a)), (name_b, (vb, why_b)) = a, b
     factor = f"{scale:g} x " if scale != 1 else ""
     numbers = f"{_describe(name_a, va, unit)}; {factor}{_describe(name_b, vb, unit)}"
     why = why_a or why_b
     return Comparison(label, numbers, side, threshold, lambda lv: None if why else welch_interval(va, vb, lv, scale),
                       why, unit, optional)
+
+
+def unmeasurable(*arms: tuple[str, Values]) -> bool:
+    """Enough seeds ran but too few gave a usable value (e.g. they diverged or collapsed): leave it out."""
+    whys = [why or "" for _, (_, why) in arms]
+    return any(w.startswith("too few usable") for w in whys) and not any(
+        w.startswith(("missing", "too few seeds")) for w in whys)
 
 
 def _single(label: str, a: tuple[str, Values], side: Side, threshold: float, unit: str) -> Comparison:
@@ -140,8 +151,8 @@ def _chance(rows: list[dict[str, Any]]) -> float:
 
 
 def _claim1(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
-    acc = lambda n, bs: (n, _values(rows, n, 0.1, bs, accuracy))  # noqa: E731
-    matches = [_welch(f"batch {bs}: mrs - {b}", acc("mrs", bs), acc(b, bs), "above", -MARGIN)
+    acc = lambda n, bs: (n, arm_values(rows, n, 0.1, bs, accuracy))  # noqa: E731
+    matches = [welch_comparison(f"batch {bs}: mrs - {b}", acc("mrs", bs), acc(b, bs), "above", -MARGIN)
                for bs in PAPER_BATCH_SIZES for b in BASELINES]
     stable = [_ratio("batch 32: var(rms) / var(mrs)", acc("rms", 32), acc("mrs", 32))]
     return [("matches or beats (final top-1 at lr 0.1)", matches),
@@ -150,7 +161,7 @@ def _claim1(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
 
 def _claim2(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
     line = _collapse_line(rows)
-    acc = lambda n, lr, bs: (n, _values(rows, n, lr, bs, accuracy))  # noqa: E731
+    acc = lambda n, lr, bs: (n, arm_values(rows, n, lr, bs, accuracy))  # noqa: E731
     high = [(lr, bs) for lr in PAPER_LRS if lr >= 0.3 for bs in PAPER_BATCH_SIZES]
     collapse = [_single(f"lr {lr:g}, batch {bs}: {b}", acc(b, lr, bs), "below", line, "%")
                 for lr, bs in high for b in BASELINES]
@@ -160,16 +171,16 @@ def _claim2(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
 
 
 def _claim3(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
-    surv = lambda n, bs: (n, _values(rows, n, 0.4, bs, survived))  # noqa: E731
-    acc = lambda n, lr, bs: (f"{n} @ lr {lr:g}", _values(rows, n, lr, bs, accuracy))  # noqa: E731
+    surv = lambda n, bs: (n, arm_values(rows, n, 0.4, bs, survived))  # noqa: E731
+    acc = lambda n, lr, bs: (f"{n} @ lr {lr:g}", arm_values(rows, n, lr, bs, accuracy))  # noqa: E731
     avoids = [_single(f"batch {bs}: mrs", surv("mrs", bs), "above", IMMEDIATE_FRACTION, "")
               for bs in PAPER_BATCH_SIZES]
     others = [_single(f"batch {bs}: {b}", surv(b, bs), "below", IMMEDIATE_FRACTION, "")
               for bs in PAPER_BATCH_SIZES for b in BASELINES]
     f = CONVERGE_FRACTION
-    converges = [_welch("batch 128: mrs@0.4 - 0.9 x mrs@0.1", acc("mrs", 0.4, 128), acc("mrs", 0.1, 128),
+    converges = [welch_comparison("batch 128: mrs@0.4 - 0.9 x mrs@0.1", acc("mrs", 0.4, 128), acc("mrs", 0.1, 128),
                         "above", 0.0, scale=f)]
-    struggles = [_welch("batch 32: mrs@0.4 - 0.9 x mrs@0.1", acc("mrs", 0.4, 32), acc("mrs", 0.1, 32),
+    struggles = [welch_comparison("batch 32: mrs@0.4 - 0.9 x mrs@0.1", acc("mrs", 0.4, 32), acc("mrs", 0.1, 32),
                         "below", 0.0, scale=f)]
     share = f"{100 * IMMEDIATE_FRACTION:.0f} %"
     return [(f"MRSNorm avoids immediate divergence (share of the planned steps before a non-finite loss > {share})",
@@ -192,9 +203,10 @@ def _claim4(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
         arms = []
         for n in ("mrs", "rms"):
             lr = _best_lr(rows, n, bs)
-            arms.append((f"{n} @ lr {lr:g}", _values(rows, n, lr, bs, accuracy)) if lr is not None
+            arms.append((f"{n} @ lr {lr:g}", arm_values(rows, n, lr, bs, accuracy)) if lr is not None
                         else (n, ([], f"missing cells: {n} at batch {bs}")))
-        parts.append(_welch(f"batch {bs}: mrs - rms, each at its best lr", arms[0], arms[1], "above", -MARGIN))
+        parts.append(welch_comparison(f"batch {bs}: mrs - rms, each at its best lr", arms[0], arms[1], "above",
+                                      -MARGIN))
     return [("no accuracy cost against RMSNorm (final top-1 at each norm's best swept lr)", parts)]
 
 
@@ -215,13 +227,9 @@ def _mechanism(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]
     for lr in PAPER_LRS:
         for bs in PAPER_BATCH_SIZES:
             for b in BASELINES:
-                a, base = ("mrs", _values(rows, "mrs", lr, bs, grad_cv)), (b, _values(rows, b, lr, bs, grad_cv))
-                # enough seeds ran but too few trained (they diverged or collapsed): not measurable
-                whys = [why or "" for _, (_, why) in (a, base)]
-                unmeasurable = any(w.startswith("too few usable") for w in whys) and not any(
-                    w.startswith(("missing", "too few seeds")) for w in whys)
-                parts.append(_welch(f"lr {lr:g}, batch {bs}: mrs - {b}", a, base, "below", 0.0, unit="",
-                                    optional=unmeasurable))
+                a, base = ("mrs", arm_values(rows, "mrs", lr, bs, grad_cv)), (b, arm_values(rows, b, lr, bs, grad_cv))
+                parts.append(welch_comparison(f"lr {lr:g}, batch {bs}: mrs - {b}", a, base, "below", 0.0, unit="",
+                                              optional=unmeasurable(a, base)))
     return [("mean grad_cv lower under MRSNorm (same lr and batch size, seeds that trained)", parts)]
 
 

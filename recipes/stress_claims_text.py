@@ -7,12 +7,12 @@ constants of :mod:`recipes.stress_claims`) and lays the computed outcomes out as
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from recipes import stress_claims as sc
 from recipes.stress_stats import MIN_SEEDS
 
-__all__ = ["TEXT", "markdown"]
+__all__ = ["DECISION_RULE", "TEXT", "claims_section", "markdown"]
 
 _D = f"{100 * sc.MARGIN:g} point"
 _F = f"{sc.CONVERGE_FRACTION:g}"
@@ -69,9 +69,8 @@ TEXT: dict[str, tuple[str, str, str]] = {
           "combination. A missing cell counts as inconclusive."),
 }
 
-_RULE = [
-    "Computed by `recipes/stress_claims.py` from `results.csv`; nothing in this section is written by hand.",
-    "",
+#: the decision rule, shared by every sweep's claims
+DECISION_RULE = [
     "**Decision rule.** Every comparison is a 95 % confidence interval over seeds: Welch's t interval for a "
     "difference of means (unequal variances), Student's t interval for one mean, the F interval for a ratio of "
     "variances. A comparison is **supported** when its interval lies entirely on the claimed side of its "
@@ -85,6 +84,11 @@ _RULE = [
     "least one is contradicted at the Bonferroni level 1 - 0.05/k (a false contradiction stays under 5 % over "
     "the k chances); inconclusive otherwise.",
     "",
+]
+_RULE = [
+    "Computed by `recipes/stress_claims.py` from `results.csv`; nothing in this section is written by hand.",
+    "",
+    *DECISION_RULE,
     "**Accuracy** is the final validation top-1; a cell whose training loss turned non-finite counts as chance "
     "from that step on.",
     "",
@@ -133,9 +137,9 @@ def _verdict(o: "sc.Outcome") -> str:
     return _MARK[o.verdict]
 
 
-def markdown(claims: list["sc.Claim"]) -> list[str]:
-    """The "Claims" section: the rule, a summary table, then each claim's comparisons."""
-    lines = ["## Claims", "", *_RULE, "| claim | verdict | why |", "|:---|:---|:---|"]
+def markdown(claims: list["sc.Claim"], rule: Optional[list[str]] = None) -> list[str]:
+    """The "Claims" section: the rule (``None``: the norm sweep's), a summary table, then each claim's comparisons."""
+    lines = ["## Claims", "", *(_RULE if rule is None else rule), "| claim | verdict | why |", "|:---|:---|:---|"]
     lines += [f"| {c.key}: {c.title} | {_MARK[c.verdict]} | {c.why} |" for c in claims]
     for c in claims:
         lines += ["", f"### Claim {c.key}: {c.title}", "", f"Paper: \"{c.paper}\"", "", f"Tested as: {c.tested_as}",

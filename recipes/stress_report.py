@@ -1,11 +1,16 @@
 """The stress sweep's outputs, rebuilt from ``cells/*.json`` after every cell.
 
-* ``results.csv``: one row per finished cell (:data:`recipes.stress_rows.CSV_COLUMNS`);
-* ``robustness.csv``: LR sensitivity and breaking point per norm and batch size
-  (:mod:`recipes.stress_summary`);
-* ``results.md``: setup, the claims' verdicts (:mod:`recipes.stress_claims`), the robustness
-  tables and the per-cell table (mean ± sd over seeds), all computed from ``results.csv``;
-* ``results.png``: top-1 against learning rate (:mod:`recipes.stress_figure`).
+* ``results.csv``: one row per finished cell (:data:`recipes.stress_rows.CSV_COLUMNS`, or
+  ``QK_COLUMNS`` for the ``qk`` sweep);
+* ``robustness.csv``: LR sensitivity and breaking point per arm (norm or QK-norm) and batch
+  size (:mod:`recipes.stress_summary`);
+* ``results.md``: setup, the claims' verdicts (:mod:`recipes.stress_claims` or
+  :mod:`recipes.stress_claims_qk`), the robustness tables and the per-cell table (mean ± sd
+  over seeds), all computed from ``results.csv``;
+* ``results.png``: top-1 (and for ``qk`` the largest attention logit) against learning rate
+  (:mod:`recipes.stress_figure`).
+
+Which sweep a directory holds is ``settings.json``'s ``sweep`` (absent: ``norm``).
 
 Needs no torch (a rerun with nothing to train stays fast); scipy for the intervals, matplotlib
 (Agg) for the figure.
@@ -20,13 +25,14 @@ import statistics
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from recipes.stress_rows import CSV_COLUMNS, accuracy, csv_text, read_csv
+from recipes.stress_rows import CSV_COLUMNS, QK_COLUMNS, accuracy, csv_text, read_csv
 
 __all__ = ["CSV_COLUMNS", "load_records", "write_atomic", "write_outputs"]
 
-NORM_ORDER = {"layer": 0, "rms": 1, "mrs": 2, "batch": 3}
+NORM_ORDER = {"none": -1, "layer": 0, "rms": 1, "mrs": 2, "batch": 3}
+Metric = tuple[str, Callable[[list[dict[str, Any]]], str]]  # a per-cell table column: header, rows -> text
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -44,8 +50,12 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _arm(r: dict[str, Any]) -> str:
+    return r["qk_norm"] if "qk_norm" in r else r["norm"]
+
+
 def _order(r: dict[str, Any]) -> tuple:
-    return (r["lr"], r["batch_size"], NORM_ORDER.get(r["norm"], 9), r["norm"], r["seed"])
+    return (r["lr"], r["batch_size"], NORM_ORDER.get(_arm(r), 9), _arm(r), r["seed"])
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
@@ -73,10 +83,30 @@ def _mean(values: list[Optional[float]]) -> str:
     return f"{statistics.fmean(finite):.3g}" if finite else "-"
 
 
-def _axes(rows: list[dict[str, Any]]) -> list[str]:
-    norms = sorted({r["norm"] for r in rows}, key=lambda n: (NORM_ORDER.get(n, 9), n))
+def _column(key: str) -> Callable[[list[dict[str, Any]]], str]:
+    return lambda rs: _mean([r.get(key) for r in rs])
+
+
+#: per sweep: the arm's column, the per-cell table's last columns and what they mean
+_SWEEP_TABLES: dict[str, tuple[str, list[Metric], str]] = {
+    "norm": ("norm", [("mean grad_cv", _column("mean_grad_cv")), ("mean starved_frac", _column("mean_starved_frac"))],
+             "grad_cv and starved_frac: the monitor's `phasor/all/*`, mean over the logged steps (before any "
+             "divergence), mean over seeds."),
+    "qk": ("qk_norm", [("max logit", _column("max_logit")), ("min entropy", _column("min_entropy")),
+                       ("max collapsed_frac", _column("max_collapsed_frac"))],
+           "From the AttentionMonitor, over the logged training steps (before any divergence), mean over seeds: "
+           "max logit = the largest `attention/all/logit_max` (the worst layer's largest |logit|); min entropy = "
+           "the smallest `attention/all/entropy_min` (nats; the softmax entropy of the lowest head, averaged "
+           "over layers); max collapsed_frac = the largest `attention/all/collapsed_frac` (the worst layer's "
+           "share of attention rows with one weight above 0.99)."),
+}
+
+
+def _axes(rows: list[dict[str, Any]], by: str) -> list[str]:
+    norms = sorted({r[by] for r in rows}, key=lambda n: (NORM_ORDER.get(n, 9), n))
     lrs = sorted({r["lr"] for r in rows})
-    return [f"- grid: norms {' '.join(norms)}; learning rates {' '.join(f'{v:g}' for v in lrs)}; batch sizes "
+    return [f"- grid: {by.replace('_', '-')}s {' '.join(norms)}; learning rates {' '.join(f'{v:g}' for v in lrs)}; "
+            f"batch sizes "
             f"{' '.join(str(b) for b in sorted({r['batch_size'] for r in rows}))}; seeds "
             f"{' '.join(str(s) for s in sorted({r['seed'] for r in rows}))} ({len(rows)} cells finished)"]
 
@@ -90,20 +120,21 @@ def _cost(rows: list[dict[str, Any]]) -> list[str]:
             f"(all cells: {sum(cpu) / 60:.1f} CPU minutes; --jobs runs several at once)"]
 
 
-def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
+def _cell_table(rows: list[dict[str, Any]], sweep: str) -> list[str]:
+    by, metrics, meaning = _SWEEP_TABLES[sweep]
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        groups[(r["lr"], r["batch_size"], r["norm"])].append(r)
+        groups[(r["lr"], r["batch_size"], r[by])].append(r)
     lines = [
         "## Per cell",
         "",
         "Validation top-1 in %, mean ± sd over seeds (one seed: no ±); a diverged seed counts as chance from its "
         "divergence on. **DIVERGED k/n @ s**: k of n seeds hit a non-finite training loss, the first at optimizer "
-        "step s (the cell stops there). grad_cv and starved_frac: the monitor's `phasor/all/*`, mean over the "
-        "logged steps (before any divergence), mean over seeds.",
+        f"step s (the cell stops there). {meaning}",
         "",
-        "| lr | batch | norm | seeds | final top-1 | best top-1 | divergence | mean grad_cv | mean starved_frac |",
-        "|---:|---:|:---|---:|---:|---:|:---|---:|---:|",
+        f"| lr | batch | {by} | seeds | final top-1 | best top-1 | divergence | "
+        + " | ".join(h for h, _ in metrics) + " |",
+        "|---:|---:|:---|---:|---:|---:|:---|" + "---:|" * len(metrics),
     ]
     for (lr, bs, norm), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], NORM_ORDER.get(kv[0][2], 9))):
         div = [r for r in rs if r["diverged"]]
@@ -112,27 +143,42 @@ def _cell_table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {lr:g} | {bs} | {norm} | {len(rs)} | {_pct([accuracy(r) for r in rs])} | "
             f"{_pct([r['best_top1'] for r in rs if r.get('best_top1') is not None])} | {mark} | "
-            f"{_mean([r.get('mean_grad_cv') for r in rs])} | {_mean([r.get('mean_starved_frac') for r in rs])} |"
+            + " | ".join(show(rs) for _, show in metrics) + " |"
         )
     return lines + [""]
 
 
+_TITLES = {
+    "norm": ("Stress sweep", "norm", "final top-1"),
+    "qk": ("QK-norm stress sweep", "QK-norm", "final top-1 and the largest attention logit"),
+}
+
+
+def _claims(rows: list[dict[str, Any]], sweep: str) -> list[str]:
+    if sweep == "qk":
+        from recipes.stress_claims_qk import claims_section
+    else:
+        from recipes.stress_claims_text import claims_section
+    return claims_section(rows)
+
+
 def _markdown(rows: list[dict[str, Any]], settings: dict[str, Any], commands: list[str],
-              summaries: list[dict[str, Any]]) -> str:
-    from recipes.stress_claims_text import claims_section
+              summaries: list[dict[str, Any]], sweep: str) -> str:
     from recipes.stress_summary import markdown as robustness_markdown
 
+    by = _SWEEP_TABLES[sweep][0]
+    title, arm, plotted = _TITLES[sweep]
     dataset = settings.get("dataset", "?")
     lines = [
-        f"# Stress sweep ({dataset})",
+        f"# {title} ({dataset})",
         "",
         "Every number below is computed by `recipes/stress_report.py` from `results.csv` (one row per cell: one "
-        "training run of one norm, learning rate, batch size and seed); `results.png` plots final top-1 against "
+        f"training run of one {arm}, learning rate, batch size and seed); `results.png` plots {plotted} against "
         "the learning rate.",
         "",
         "## Setup",
         "",
-        *_axes(rows),
+        *_axes(rows, by),
         *[f"- {k}: `{v}`" for k, v in settings.items()],
         *_cost(rows),
         "",
@@ -140,9 +186,9 @@ def _markdown(rows: list[dict[str, Any]], settings: dict[str, Any], commands: li
         "",
         *[f"    {c}" for c in commands],
         "",
-        *claims_section(rows),
-        *robustness_markdown(summaries),
-        *_cell_table(rows),
+        *_claims(rows, sweep),
+        *robustness_markdown(summaries, by),
+        *_cell_table(rows, sweep),
         "Files: `results.csv` (cells), `robustness.csv`, `results.png`, `cells/*.json` (records with curves), "
         "`tb/` (TensorBoard runs).",
         "",
@@ -152,19 +198,21 @@ def _markdown(rows: list[dict[str, Any]], settings: dict[str, Any], commands: li
 
 def write_outputs(out: Path, settings: dict[str, Any], command: str, figure: bool = True) -> list[dict[str, Any]]:
     """Rebuild ``results.csv``, ``robustness.csv``, ``results.md`` and (``figure``: when stale) ``results.png``."""
+    from recipes import stress_figure
     from recipes.stress_summary import robustness, robustness_csv
 
+    sweep = settings.get("sweep", "norm")
+    by = _SWEEP_TABLES[sweep][0]
     records = load_records(out)
-    write_atomic(out / "results.csv", csv_text(records))
+    write_atomic(out / "results.csv", csv_text(records, QK_COLUMNS if sweep == "qk" else CSV_COLUMNS))
     rows = read_csv(out / "results.csv")  # the report rests on the CSV alone
-    summaries = robustness(rows)
-    write_atomic(out / "robustness.csv", robustness_csv(summaries))
+    summaries = robustness(rows, by=by, norm_order=tuple(NORM_ORDER))
+    write_atomic(out / "robustness.csv", robustness_csv(summaries, by))
     commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    write_atomic(out / "results.md", _markdown(rows, settings, commands or [command], summaries))
+    write_atomic(out / "results.md", _markdown(rows, settings, commands or [command], summaries, sweep))
     png = out / "results.png"
     newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
     if figure and rows and (not png.exists() or png.stat().st_mtime < newest):
-        from recipes.stress_figure import figure as draw
-
+        draw = stress_figure.qk_figure if sweep == "qk" else stress_figure.figure
         draw(rows, png)
     return records

@@ -1,6 +1,7 @@
 """The stress sweep's per-cell rows: the ``results.csv`` columns, writing and reading them back typed.
 
-A *cell* is one training run (norm, learning rate, batch size, seed). The summaries and the
+A *cell* is one training run (arm, learning rate, batch size, seed); the arm is the body norm
+(``norm`` column, the ``norm`` sweep) or the QK-norm (``qk_norm`` column, the ``qk`` sweep). The summaries and the
 claims read the rows back from ``results.csv`` through :func:`read_csv`, so that everything in
 ``results.md`` can be recomputed from that file alone. Needs no torch.
 
@@ -16,17 +17,20 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["CSV_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr", "select",
-           "survived"]
+__all__ = ["CSV_COLUMNS", "QK_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr",
+           "select", "survived"]
 
 CSV_COLUMNS = [
     "norm", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps",
     "best_top1", "final_top1", "final_val_loss", "final_train_loss", "diverged", "divergence_step",
     "mean_grad_cv", "mean_starved_frac", "wall_s", "cpu_s", "tb_run",
 ]
+#: the ``qk`` sweep's columns: the QK-norm instead of the (kept) body norm, and the attention figures
+QK_COLUMNS = ["qk_norm", *CSV_COLUMNS[1:CSV_COLUMNS.index("wall_s")], "max_logit", "min_entropy",
+              "max_collapsed_frac", *CSV_COLUMNS[CSV_COLUMNS.index("wall_s"):]]
 _INT = ("batch_size", "seed", "num_classes", "steps", "planned_steps", "divergence_step")
 _FLOAT = ("lr", "best_top1", "final_top1", "final_val_loss", "final_train_loss", "mean_grad_cv",
-          "mean_starved_frac", "wall_s", "cpu_s")
+          "mean_starved_frac", "wall_s", "cpu_s", "max_logit", "min_entropy", "max_collapsed_frac")
 # records written before num_classes was recorded
 _CLASSES = {"cifar100": 100, "synthetic": 100, "digits": 10}
 
@@ -113,8 +117,12 @@ def distinct_lrs(rows: Iterable[dict[str, Any]]) -> list[float]:
 
 
 def select(rows: Iterable[dict[str, Any]], norm: Optional[str] = None, lr: Optional[float] = None,
-           batch_size: Optional[int] = None) -> list[dict[str, Any]]:
-    """The rows of one norm / learning rate / batch size (``None``: any), in seed order."""
+           batch_size: Optional[int] = None, **columns: Any) -> list[dict[str, Any]]:
+    """The rows of one norm / learning rate / batch size (``None``: any), in seed order.
+
+    ``columns``: more equalities, e.g. ``qk_norm="mrs"`` (``None``: any).
+    """
     picked = [r for r in rows if (norm is None or r["norm"] == norm) and (lr is None or same_lr(r["lr"], lr))
-              and (batch_size is None or r["batch_size"] == batch_size)]
+              and (batch_size is None or r["batch_size"] == batch_size)
+              and all(v is None or r.get(k) == v for k, v in columns.items())]
     return sorted(picked, key=lambda r: r["seed"])

@@ -1,6 +1,7 @@
-"""Learning-rate robustness of each norm per batch size: ``robustness.csv`` and its ``results.md`` section.
+"""Learning-rate robustness of each arm per batch size: ``robustness.csv`` and its ``results.md`` section.
 
-Per norm and batch size, over the swept learning rates ``L`` (accuracy = the final top-1 of
+An *arm* is what a sweep varies: the body norm (column ``norm``) or the QK-norm (``qk_norm``);
+``by`` names the column. Per arm and batch size, over the swept learning rates ``L`` (accuracy = the final top-1 of
 :func:`recipes.stress_rows.accuracy`, floored at chance):
 
 * **LR sensitivity** (after Wortsman et al. 2023, arXiv 2309.14322, in accuracy terms): per
@@ -12,7 +13,7 @@ Per norm and batch size, over the swept learning rates ``L`` (accuracy = the fin
   monotonic).
 * best lr and its seed-mean accuracy.
 
-``L`` is every learning rate of the table; a norm/batch size lacking one of them is marked
+``L`` is every learning rate of the table; an arm/batch size lacking one of them is marked
 incomplete and its LR sensitivity is left empty (it would not be comparable).
 
 Example:
@@ -44,8 +45,8 @@ def _floored(row: dict[str, Any]) -> float:
     return max(acc, chance(row)) if math.isfinite(acc) else math.nan
 
 
-def _one(rows: list[dict[str, Any]], norm: str, bs: int, lrs: list[float]) -> dict[str, Any]:
-    mine = select(rows, norm=norm, batch_size=bs)
+def _one(rows: list[dict[str, Any]], by: str, arm: str, bs: int, lrs: list[float]) -> dict[str, Any]:
+    mine = select(rows, batch_size=bs, **{by: arm})
     by_lr = {lr: [r for r in mine if same_lr(r["lr"], lr)] for lr in lrs}
     present = [lr for lr in lrs if by_lr[lr]]
     curve = {lr: statistics.fmean(v) for lr in present
@@ -62,34 +63,39 @@ def _one(rows: list[dict[str, Any]], norm: str, bs: int, lrs: list[float]) -> di
                 top = max(accs)
                 per_seed.append(statistics.fmean(top - a for a in accs))
     return {
-        "norm": norm, "batch_size": bs, "n_lrs": len(present), "lrs": " ".join(f"{lr:g}" for lr in present),
+        by: arm, "batch_size": bs, "n_lrs": len(present), "lrs": " ".join(f"{lr:g}" for lr in present),
         "complete": complete, "seeds": len(per_seed), "best_lr": best_lr, "best_top1": best,
         "lr_sensitivity": statistics.fmean(per_seed) if per_seed else None,
         "lr_sensitivity_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else None,
         "max_lr_90": max(works) if works else None, "chance": chance(mine[0]) if mine else math.nan,
+        "per_seed_sensitivity": per_seed,
     }
 
 
-def robustness(rows: list[dict[str, Any]], norm_order: tuple[str, ...] = ("layer", "rms", "mrs", "batch")
-               ) -> list[dict[str, Any]]:
-    """One summary per (norm, batch size) present in ``rows`` (see the module docstring)."""
+def robustness(rows: list[dict[str, Any]], norm_order: tuple[str, ...] = ("layer", "rms", "mrs", "batch"),
+               by: str = "norm") -> list[dict[str, Any]]:
+    """One summary per (arm, batch size) present in ``rows`` (see the module docstring).
+
+    ``by``: the arm's column; ``norm_order``: the arms' order (others after them, by name).
+    Each summary also holds ``per_seed_sensitivity``, the per-seed values behind ``lr_sensitivity``.
+    """
     lrs = distinct_lrs(rows)
-    norms = sorted({r["norm"] for r in rows}, key=lambda n: (norm_order.index(n) if n in norm_order else 99, n))
+    arms = sorted({r[by] for r in rows}, key=lambda n: (norm_order.index(n) if n in norm_order else 99, n))
     sizes = sorted({r["batch_size"] for r in rows})
-    return [_one(rows, n, bs, lrs) for n in norms for bs in sizes if select(rows, norm=n, batch_size=bs)]
+    return [_one(rows, by, n, bs, lrs) for n in arms for bs in sizes if select(rows, batch_size=bs, **{by: n})]
 
 
-def robustness_csv(summaries: list[dict[str, Any]]) -> str:
-    """``robustness.csv``: one row per norm and batch size."""
-    return csv_text(summaries, ROBUSTNESS_COLUMNS)
+def robustness_csv(summaries: list[dict[str, Any]], by: str = "norm") -> str:
+    """``robustness.csv``: one row per arm and batch size."""
+    return csv_text(summaries, [by, *ROBUSTNESS_COLUMNS[1:]])
 
 
-def _pivot(summaries: list[dict[str, Any]], cell: Any) -> list[str]:
+def _pivot(summaries: list[dict[str, Any]], cell: Any, by: str) -> list[str]:
     sizes = sorted({s["batch_size"] for s in summaries})
-    norms = list(dict.fromkeys(s["norm"] for s in summaries))
-    lines = ["| norm | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|:---|" + "---:|" * len(sizes)]
-    for n in norms:
-        found = {s["batch_size"]: s for s in summaries if s["norm"] == n}
+    arms = list(dict.fromkeys(s[by] for s in summaries))
+    lines = [f"| {by} | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|:---|" + "---:|" * len(sizes)]
+    for n in arms:
+        found = {s["batch_size"]: s for s in summaries if s[by] == n}
         lines.append(f"| {n} | " + " | ".join(cell(found[b]) if b in found else "-" for b in sizes) + " |")
     return lines
 
@@ -101,8 +107,8 @@ def _sensitivity(s: dict[str, Any]) -> str:
     return f"{100 * s['lr_sensitivity']:.2f}{sd} (n={s['seeds']})"
 
 
-def markdown(summaries: list[dict[str, Any]]) -> list[str]:
-    """The "Learning-rate robustness" section of ``results.md``."""
+def markdown(summaries: list[dict[str, Any]], by: str = "norm") -> list[str]:
+    """The "Learning-rate robustness" section of ``results.md`` (``by``: the arm's column)."""
     if not summaries:
         return []
     lrs = max((s["lrs"] for s in summaries), key=len)
@@ -116,12 +122,12 @@ def markdown(summaries: list[dict[str, Any]]) -> list[str]:
         "over the learning rates of (best final top-1 over the learning rates - the cell's final top-1), in points "
         "of top-1; mean ± sd over seeds. Lower is more robust; 0 is a flat curve.",
         "",
-        *_pivot(summaries, _sensitivity),
+        *_pivot(summaries, _sensitivity, by),
         "",
-        f"**Largest learning rate still reaching {100 * THRESHOLD:.0f} % of the norm's best** seed-mean top-1 "
+        f"**Largest learning rate still reaching {100 * THRESHOLD:.0f} % of the {by}'s best** seed-mean top-1 "
         "(best lr and best top-1 in brackets):",
         "",
         *_pivot(summaries, lambda s: "-" if s["max_lr_90"] is None else
-                f"{s['max_lr_90']:g} ({s['best_lr']:g}: {100 * s['best_top1']:.1f} %)"),
+                f"{s['max_lr_90']:g} ({s['best_lr']:g}: {100 * s['best_top1']:.1f} %)", by),
         "",
     ]
