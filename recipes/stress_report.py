@@ -35,6 +35,12 @@ NORM_ORDER = {"none": -1, "layer": 0, "rms": 1, "mrs": 2, "batch": 3}
 Metric = tuple[str, Callable[[list[dict[str, Any]]], str]]  # a per-cell table column: header, rows -> text
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers (and crashes) see the old file or the new one."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -43,6 +49,7 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the results from other users
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs.ops.dispatch import get_backend
-from lightning_mrs.ops.layout import Canonical, is_dense, like
+from lightning_mrs.ops.layout import Canonical, canonical_of, like
 from lightning_mrs.ops.reference import mrs_norm_reference
 
 __all__ = ["MRSNormFunction", "fused_mrs_norm"]
@@ -42,8 +42,9 @@ def _fresh(view: Tensor) -> Tensor:
 class MRSNormFunction(torch.autograd.Function):
     """MRSNorm with a hand-written backward that needs only ``x`` and one scale per group.
 
-    ``apply(x, weight, eps, channel_dim, spatial, backend)`` with ``channel_dim >= 0`` and
-    ``backend`` a name of :data:`lightning_mrs.ops.dispatch.BACKENDS`. The output is a fresh
+    ``apply(x, weight, eps, channel_dim, spatial, backend, canonical)`` with ``channel_dim >= 0``,
+    ``backend`` a name of :data:`lightning_mrs.ops.dispatch.BACKENDS` and ``canonical`` the
+    input's :class:`~lightning_mrs.ops.layout.Canonical` (kept for the backward). The output is a fresh
     tensor, not a view of the kernel's buffer, so in-place ops on it (``relu_``,
     ``out += identity``) need no CopySlices copies in the backward. Double backward
     (``create_graph=True``) recomputes the forward with the reference formula, so
@@ -52,13 +53,14 @@ class MRSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
-                backend: str) -> Tensor:
-        canonical = Canonical.of(x, channel_dim, spatial)
-        y3, r_sum = get_backend(backend).forward(canonical.view(x), _per_channel(weight), eps, canonical.layout)
+                backend: str, canonical: Canonical) -> Tensor:
+        w2 = _per_channel(weight)
+        y3, r_sum = get_backend(backend).forward(canonical.view(x), w2, eps, canonical.layout)
         ctx.save_for_backward(x, weight, r_sum)  # r_sum = P * S: one value per group
-        ctx.config = (eps, channel_dim, spatial, backend)
+        ctx.config = (eps, channel_dim, spatial, backend, canonical)
+        ctx.weight2 = w2  # (C,): the weight the forward used, not rebuilt in the backward
         y = canonical.restore(y3)
-        if not canonical.is_dense(x) and is_dense(x):
+        if canonical.relayout:
             # the view was a copy (one S per sample, channels mid-memory): give y x's layout back
             return torch.empty_like(x).copy_(y)
         return _fresh(y)
@@ -66,18 +68,17 @@ class MRSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, r_sum = ctx.saved_tensors
-        eps, channel_dim, spatial, backend = ctx.config
+        eps, channel_dim, spatial, backend, canonical = ctx.config
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             dx, dw = _differentiable_grads(x, weight, g, eps, channel_dim, spatial, need_x, need_w)
-            return dx, dw, None, None, None, None
-        canonical = Canonical.of(x, channel_dim, spatial)
+            return dx, dw, None, None, None, None, None
         dx3, dw = get_backend(backend).backward(
-            canonical.view(x), _per_channel(weight), r_sum, canonical.view(like(g, x)), eps, canonical.layout
+            canonical.view(x), ctx.weight2, r_sum, canonical.view(like(g, x)), eps, canonical.layout
         )
         dx = canonical.restore(dx3) if need_x else None
         dw = dw.to(weight.dtype) if need_w else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def _differentiable_grads(x: Tensor, weight: Optional[Tensor], g: Tensor, eps: float, channel_dim: int,
@@ -90,7 +91,9 @@ def _differentiable_grads(x: Tensor, weight: Optional[Tensor], g: Tensor, eps: f
 
 
 def fused_mrs_norm(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
-                   backend: str) -> Tensor:
+                   backend: str, canonical: Optional[Canonical] = None) -> Tensor:
     """MRSNorm through :class:`MRSNormFunction` with one backend (no checks: the arguments
     come from :func:`lightning_mrs.mrs_norm`, or from tests forcing a backend)."""
-    return MRSNormFunction.apply(x, weight, eps, channel_dim, spatial, backend)
+    if canonical is None:
+        canonical = canonical_of(x, channel_dim, spatial)
+    return MRSNormFunction.apply(x, weight, eps, channel_dim, spatial, backend, canonical)

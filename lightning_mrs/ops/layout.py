@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Canonical", "DispatchKey", "Layout", "is_dense", "like"]
+__all__ = ["Canonical", "DispatchKey", "Layout", "canonical_of", "is_dense", "like"]
 
 
 class Layout(NamedTuple):
@@ -64,6 +64,8 @@ class Canonical(NamedTuple):
     permuted_shape: tuple[int, ...]  # the input's shape in that order
     shape3: tuple[int, int, int]  # (A, L, C) if layout.last else (A, C, L)
     layout: Layout
+    dense: bool = False  # the view of the input is contiguous, no copy (what the C++ kernels take)
+    relayout: bool = False  # the view is a copy of a dense input: results go back into its layout
 
     @staticmethod
     def of(x: Tensor, channel_dim: int, spatial: bool) -> "Canonical":
@@ -84,7 +86,9 @@ class Canonical(NamedTuple):
             groups = math.prod(shape[d] for d in order[: order.index(channel_dim)])
         positions = numel // (groups * channels) if groups * channels else 0
         shape3 = (groups, positions, channels) if last else (groups, channels, positions)
-        return Canonical(tuple(order), tuple(shape[d] for d in order), shape3, Layout(last, spatial))
+        dense = x.permute(order).is_contiguous()
+        relayout = not dense and is_dense(x)
+        return Canonical(tuple(order), tuple(shape[d] for d in order), shape3, Layout(last, spatial), dense, relayout)
 
     def view(self, t: Tensor) -> Tensor:
         """``t`` (shaped like the input) as the 3-d view; a copy only where no view exists."""
@@ -98,6 +102,22 @@ class Canonical(NamedTuple):
         """A 3-d kernel result back in the input's shape (the strides follow ``t3``'s)."""
         inverse = [self.order.index(d) for d in range(len(self.order))]
         return t3.reshape(self.permuted_shape).permute(inverse)
+
+
+_CACHE: dict[tuple, Canonical] = {}
+_CACHE_SIZE = 4096  # distinct (shape, strides, mode) seen by a process: a model has a few dozen
+
+
+def canonical_of(x: Tensor, channel_dim: int, spatial: bool) -> Canonical:
+    """:meth:`Canonical.of`, cached per (shape, strides, channel dim, mode): a training step
+    meets the same few layouts over and over, and building one costs tens of microseconds."""
+    key = (x.shape, x.stride(), channel_dim, spatial)
+    canonical = _CACHE.get(key)
+    if canonical is None:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.clear()
+        canonical = _CACHE[key] = Canonical.of(x, channel_dim, spatial)
+    return canonical
 
 
 def like(g: Tensor, x: Tensor) -> Tensor:

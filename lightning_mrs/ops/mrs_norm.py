@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_mrs.ops.dispatch import compile_min_numel, resolve
 from lightning_mrs.ops.function import fused_mrs_norm
-from lightning_mrs.ops.layout import Canonical, DispatchKey
+from lightning_mrs.ops.layout import Canonical, DispatchKey, canonical_of
 from lightning_mrs.ops.reference import mrs_norm_reference, mrs_scale_reference
 from lightning_mrs.ops.validation import check_inputs
 
@@ -46,19 +46,15 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
     channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
     if backend not in BACKENDS:
         raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    chosen = _choose(x, channel_dim, spatial, backend)
-    if chosen == "eager":
-        return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-    return fused_mrs_norm(x, weight, eps, channel_dim, spatial, chosen)
-
-
-def _choose(x: Tensor, channel_dim: int, spatial: bool, backend: str) -> str:
     if backend == "eager" or _runs_eagerly(x):
-        return "eager"
-    canonical = Canonical.of(x, channel_dim, spatial)
+        return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
+    canonical = canonical_of(x, channel_dim, spatial)
+    return fused_mrs_norm(x, weight, eps, channel_dim, spatial, _resolve(x, canonical, backend), canonical)
+
+
+def _resolve(x: Tensor, canonical: Canonical, backend: str) -> str:
     large = x.numel() >= compile_min_numel()
-    key = DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.is_dense(x), large)
-    return resolve(key, backend)
+    return resolve(DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.dense, large), backend)
 
 
 def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, backend: str = "auto") -> str:
@@ -72,7 +68,9 @@ def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, ba
     channel_dim = check_inputs(x, None, 1e-6, channel_dim, spatial, "which_backend")
     if backend not in BACKENDS:
         raise ValueError(f"which_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    return _choose(x, channel_dim, spatial, backend)
+    if backend == "eager" or _runs_eagerly(x):
+        return "eager"
+    return _resolve(x, canonical_of(x, channel_dim, spatial), backend)
 
 
 def mrs_norm(

@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from lightning_mrs import MRSNorm, MRSNorm2d
 from lightning_mrs.ops import cpu_kernels, inductor_kernels
-from lightning_mrs.ops.layout import Canonical
+from lightning_mrs.ops.layout import Canonical, canonical_of
 from helpers.checks import Grads, assert_matches_reference, forced, grads, is_dense
 
 CHANNELS = 10  # 5 phasors
@@ -226,6 +226,16 @@ def test_dense_layouts_are_viewed_without_a_copy(entry: str, layout: str) -> Non
     x, _, _ = make_case(entry, layout, torch.float32, affine=False)
     canonical = Canonical.of(x, channel_dim % x.ndim, spatial)
     expected = not spatial or cpp_runs(x, channel_dim % x.ndim, spatial)
-    assert canonical.is_dense(x) == expected
+    assert canonical.is_dense(x) == expected == canonical.dense
+    assert canonical.relayout == (not expected)  # a copied view of a dense input: results go back
     if expected:
         assert canonical.view(x).data_ptr() == x.data_ptr()  # the same memory
+
+
+def test_the_view_is_cached_per_shape_strides_and_mode() -> None:
+    x = torch.randn(2, 8, 3, 3)
+    first = canonical_of(x, 1, True)
+    assert canonical_of(torch.randn(2, 8, 3, 3), 1, True) is first  # same shape, strides, mode
+    other = canonical_of(x.contiguous(memory_format=torch.channels_last), 1, True)
+    assert other.layout.last and not first.layout.last  # the strides are part of the key
+    assert canonical_of(x, 1, False) != first  # so is the mode
