@@ -70,6 +70,8 @@ class SwapReport:
             f"swap_norms(target={self.target!r}{'' if qk_norm is None else f', qk_norm={qk_norm!r}'}): "
             f"{len(self.converted)} converted, {len(skipped)} skipped, "
             f"{len(self.unchanged)} already {self.target or self.options.qk_kind or 'as asked'}"
+            # target=None keeps the body's norms: only QK-norms are counted
+            + ("" if self.target is not None else " (QK-norms only; body norms kept)")
         ]
         width = max((len(f"{o} -> {n}") for o, n in self.counts()), default=0)
         for (old, new), count in sorted(self.counts().items()):

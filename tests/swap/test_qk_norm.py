@@ -217,6 +217,14 @@ def test_qk_norm_true_adds_the_targets_kind(kind, cls):
     assert "QK-norms added: 2 in 1 attention layer" in str(report)
 
 
+def test_report_of_target_none_says_body_norms_are_kept():
+    model = torchvision.models.VisionTransformer(32, 8, 1, 2, 16, 32, num_classes=3)
+    first = str(swap_norms(model, None, qk_norm="mrs")).splitlines()[0]
+    assert first.endswith("0 converted, 0 skipped, 0 already mrs (QK-norms only; body norms kept)"), first
+    again = str(swap_norms(model, None, qk_norm="mrs")).splitlines()[0]  # the QK-norms are now MRS
+    assert again.endswith("0 converted, 0 skipped, 2 already mrs (QK-norms only; body norms kept)"), again
+
+
 def test_odd_head_dim_is_skipped_with_the_reason():
     model = _vit(embed_dim=30)  # 2 heads of 15
     report = swap_norms(model, None, qk_norm="mrs")
