@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from types import ModuleType
 from typing import Optional, Protocol
 
 from torch import Tensor
@@ -97,8 +96,7 @@ def _choose(key: DispatchKey, request: str) -> str:
             )
         return request
     for name in BACKENDS:
-        module: ModuleType = importlib.import_module(BACKENDS[name])
-        if module.unavailable(key, explicit=False) is None:
+        if get_backend(name).unavailable(key, explicit=False) is None:
             return name
     raise AssertionError("the torch backend runs everywhere")  # pragma: no cover
 

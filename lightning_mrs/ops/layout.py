@@ -54,7 +54,7 @@ class Canonical(NamedTuple):
         >>> import torch
         >>> x = torch.randn(2, 4, 4, 8).permute(0, 3, 1, 2)  # NCHW, stored as NHWC
         >>> canonical = Canonical.of(x, channel_dim=1, spatial=True)
-        >>> canonical.layout, tuple(canonical.view(x).shape), canonical.is_dense(x)
+        >>> canonical.layout, tuple(canonical.view(x).shape), canonical.dense
         (Layout(last=True, spatial=True), (2, 16, 8), True)
         >>> bool((canonical.restore(canonical.view(x)) == x).all())
         True
@@ -93,10 +93,6 @@ class Canonical(NamedTuple):
     def view(self, t: Tensor) -> Tensor:
         """``t`` (shaped like the input) as the 3-d view; a copy only where no view exists."""
         return t.permute(self.order).reshape(self.shape3)
-
-    def is_dense(self, x: Tensor) -> bool:
-        """The view of ``x`` is contiguous and needs no copy (what the C++ kernels take)."""
-        return x.permute(self.order).is_contiguous()
 
     def restore(self, t3: Tensor) -> Tensor:
         """A 3-d kernel result back in the input's shape (the strides follow ``t3``'s)."""

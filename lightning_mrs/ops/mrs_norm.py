@@ -34,6 +34,11 @@ __all__ = ["BACKENDS", "mrs_norm", "mrs_scale", "which_backend"]
 BACKENDS = ("auto", "eager", "cpp", "inductor", "triton")
 
 
+def _check_backend(backend: str, caller: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+
+
 def _runs_eagerly(x: Tensor) -> bool:
     # inside torch.compile / torch.export the plain formula lets the outer graph fuse it (no
     # graph break); under torch.jit.trace it is what the trace can record and save
@@ -44,8 +49,7 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
               backend: str, caller: str) -> Tensor:
     """:func:`mrs_norm` with the caller's name in error messages (the modules pass theirs)."""
     channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
-    if backend not in BACKENDS:
-        raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    _check_backend(backend, caller)
     if backend == "eager" or _runs_eagerly(x):
         return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
     canonical = canonical_of(x, channel_dim, spatial)
@@ -66,8 +70,7 @@ def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, ba
         'torch'
     """
     channel_dim = check_inputs(x, None, 1e-6, channel_dim, spatial, "which_backend")
-    if backend not in BACKENDS:
-        raise ValueError(f"which_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    _check_backend(backend, "which_backend")
     if backend == "eager" or _runs_eagerly(x):
         return "eager"
     return _resolve(x, canonical_of(x, channel_dim, spatial), backend)

@@ -106,14 +106,13 @@ def _bwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, r_sum: Tensor
     partner = nxt * even_mask + prv * (1 - even_mask)  # the other channel of c's phasor
     rinv = torch.rsqrt(xf * xf + partner * partner + eps)  # (A, L, C), recomputed
     gw = gf * w2.to(compute) if w2 is not None else gf
-    dims = (1, 2) if spatial else (2,)
     n_pairs = (x3.shape[2] // 2) * (x3.shape[1] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1|L, 1)
     # c = sum_k w g x per group; dS/dx_k = x_k / (P r_k), so dx = (w g - c x / (P S r)) / S
     if spatial:
         c, dw2 = _sample_sums(gf, xf, w2, inv_s, pos_dim=1)
     else:
-        c = (gw * xf).sum(dim=dims, keepdim=True)  # (A, L, 1)
+        c = (gw * xf).sum(dim=2, keepdim=True)  # (A, L, 1)
         dw2 = _col_sum((gf * xf * inv_s).flatten(0, 1)) if w2 is not None else None  # (C,)
     k = c * inv_s * inv_s / n_pairs
     dx = gw * inv_s - k * (xf * rinv)  # (A, L, C)
@@ -142,7 +141,6 @@ def _bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps:
     rinv = torch.rsqrt(even * even + odd * odd + eps)  # (A, P, L), recomputed
     rinv2 = rinv.unsqueeze(2).expand(-1, -1, 2, -1).flatten(1, 2)  # (A, C, L)
     gw = gf * w2.to(compute).unsqueeze(1) if w2 is not None else gf
-    dims = (1, 2) if spatial else (1,)
     n_pairs = (x3.shape[1] // 2) * (x3.shape[2] if spatial else 1)
     inv_s = n_pairs / r_sum  # (A, 1, L|1)
     if spatial:
@@ -154,7 +152,7 @@ def _bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps:
         k = cs * inv_s / n_pairs  # (A, 1, 1)
         dw2 = gxs.sum(0) if w2 is not None else None  # (C,)
     else:
-        c = (gw * xf).sum(dim=dims, keepdim=True)  # (A, 1, L)
+        c = (gw * xf).sum(dim=1, keepdim=True)  # (A, 1, L)
         dw2 = (gf * xf * inv_s).sum(dim=(0, 2)) if w2 is not None else None  # (C,)
         k = c * inv_s * inv_s / n_pairs
     dx = gw * inv_s - k * (xf * rinv2)  # (A, C, L)

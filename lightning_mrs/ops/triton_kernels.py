@@ -28,17 +28,12 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
-__all__ = ["NAME", "available", "backward", "forward", "importable", "unavailable"]
+__all__ = ["NAME", "available", "backward", "forward", "unavailable"]
 
 NAME = "triton"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _MAX_TILE = 4096  # elements of a (BLOCK_P, BLOCK_L) tile: registers per program
-
-
-def importable() -> bool:
-    """The triton package is installed."""
-    return triton is not None
 
 
 @functools.lru_cache(maxsize=None)
