@@ -38,13 +38,14 @@ from typing_extensions import override
 
 import lightning_mrs
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
-from lightning_mrs.swap.spec import LayerRecord, describe_layers, differences, format_record, rebuild, rebuild_v1
+from lightning_mrs.swap.spec import (
+    LayerRecord, describe_layers, differences, format_record, is_qk_name, rebuild, rebuild_v1,
+)
 
 __all__ = ["NormSwap"]
 
 _SPEC_VERSION = 2
 _SHOWN = 5  # layers listed in an error message
-_QK_SUFFIXES = (".q_norm", ".k_norm")  # attention QK-norms, which a swap may add
 
 
 class NormSwap(Callback):
@@ -177,8 +178,8 @@ class NormSwap(Callback):
         bad: dict[str, tuple[str, str]] = {}
         # every norm here, and every QK-norm the checkpoint has (this run may not have added it)
         names = [name for name, _, _ in iter_norm_layers(module)]
-        names += sorted({k[len(prefix):].rsplit(".", 1)[0] for k in state_dict
-                         if k.startswith(prefix) and k[len(prefix):].rsplit(".", 1)[0].endswith(_QK_SUFFIXES)} - set(names))
+        owners = {k[len(prefix):].rsplit(".", 1)[0] for k in state_dict if k.startswith(prefix)}  # module names
+        names += sorted({name for name in owners if is_qk_name(name)} - set(names))
         modules = dict(module.named_modules())
         for name in names:
             layer = modules.get(name)

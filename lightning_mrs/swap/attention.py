@@ -62,9 +62,10 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
 
 __all__ = ["AttentionInfo", "QKPlan", "expose_attention", "iter_attention_layers", "plan_attention",
-           "register_attention"]
+           "QK_ATTRS", "register_attention", "rewire"]
 
-_QK = ("q_norm", "k_norm")
+#: the attributes of a covered attention layer that hold its QK-norms
+QK_ATTRS = ("q_norm", "k_norm")
 _DEFAULT_EPS = 1e-6
 _LOOKS_LIKE = re.compile(r"attn|attention|xca|msa", re.IGNORECASE)
 _HEAD_ATTRS = ("num_heads", "n_heads", "heads", "nhead")
@@ -246,8 +247,12 @@ def iter_attention_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, At
             yield layer.name, layer.module, _info(layer.module, layer.entry)
 
 
-def _rewire(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
-    """Point every reference to an old module at its replacement (shared stays shared)."""
+def rewire(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
+    """Point every reference to an old module (by ``id``) at its replacement (shared stays shared).
+
+    The modules are listed before any reference changes, so a replacement's own children are
+    not visited.
+    """
     for parent in list(model.modules()):
         for attr, child in list(parent._modules.items()):
             if child is not None and id(child) in replacements:
@@ -266,7 +271,7 @@ def expose_attention(model: nn.Module) -> list[str]:
     if any(f.module is model for f in layers):
         raise ValueError(f"expose_attention: the model itself is a {type(model).__qualname__} and cannot be "
                          "replaced in place; wrap it (nn.Sequential(attn)).")
-    _rewire(model, {id(f.module): f.replacement.from_module(f.module) for f in layers})
+    rewire(model, {id(f.module): f.replacement.from_module(f.module) for f in layers})
     return [f.name for f in layers]
 
 
@@ -335,8 +340,8 @@ def plan_attention(
                 report.attention_skipped[name] = layer.reason
                 plan.problems.append(f"{name} ({type(module).__qualname__}): {layer.reason}")
             continue
-        missing = list(_QK) if layer.replacement else [a for a in _QK if isinstance(getattr(module, a), nn.Identity)]
-        for attr in (a for a in _QK if a not in missing):
+        missing = list(QK_ATTRS) if layer.replacement else [a for a in QK_ATTRS if isinstance(getattr(module, a), nn.Identity)]
+        for attr in (a for a in QK_ATTRS if a not in missing):
             norm = getattr(module, attr)
             if norm_spec(norm) is None:  # not a norm the swap knows: no kind to give it
                 if kind is not None:

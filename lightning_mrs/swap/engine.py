@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
-from lightning_mrs.swap.attention import plan_attention
+from lightning_mrs.swap.attention import plan_attention, rewire
 from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import NormSpec, norm_spec
@@ -76,22 +76,18 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     """
     opts = SwapOptions.of(target, "swap_norms", **options)
     target, spatial, strict = opts.target, opts.spatial, opts.strict
-    includes, excludes = opts.include, opts.exclude
     report = SwapReport(target, options=opts)
 
-    # 1. collect every reference (parent, attr) -> child first: nothing mutates while iterating
+    # 1. every dotted name of every module (a shared module has several)
     names: dict[int, list[str]] = {}  # id(module) -> all its dotted names, first one first
-    refs: list[tuple[nn.Module, str, nn.Module]] = []
     for parent_name, parent in model.named_modules():
         for attr, child in vars(parent).get("_modules", {}).items():
             if child is not None:
-                refs.append((parent, attr, child))
                 names.setdefault(id(child), []).append(f"{parent_name}.{attr}" if parent_name else attr)
     qk = plan_attention(model, opts, report, lambda module, qk_names: _deselected(opts, module, qk_names))
 
     # 2. plan: what each distinct norm becomes, or why it stays
-    plans: dict[int, tuple[nn.Module, NormSpec, Plan]] = {}
-    old_by_name: dict[str, nn.Module] = {}
+    plans: dict[int, tuple[str, nn.Module, NormSpec, Plan]] = {}  # id(old norm) -> (first name, old, spec, plan)
     problems: list[str] = []
     for name, module in model.named_modules():
         spec = norm_spec(module)
@@ -107,12 +103,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
             if strict and not user:
                 problems.append(f"{name or '<root>'} ({type(module).__qualname__}): {reason}")
 
-        hit = _matches(module, all_names, excludes) if excludes else None
-        if hit is not None:
-            skip(f"excluded by exclude={hit}", user=True)
-            continue
-        if includes and _matches(module, all_names, includes) is None:
-            skip("not matched by include", user=True)
+        deselected = _deselected(opts, module, all_names)
+        if deselected is not None:
+            skip(deselected, user=True)
             continue
         if spec.unsupported:
             skip(spec.unsupported)
@@ -132,10 +125,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                 f"swap_norms: the model itself is a norm layer ({type(model).__qualname__}) and cannot "
                 "be replaced in place; wrap it (nn.Sequential(norm)) or swap its parent module."
             )
-        plans[id(module)] = (module, spec, plan)
+        plans[id(module)] = (name, module, spec, plan)
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
             report.notes.append(f"{name}: hooks registered on the old {type(module).__qualname__} were not moved")
-        old_by_name[name] = module
         report.converted.append(name)
         for alias in others:
             report.aliases[alias] = name
@@ -147,14 +139,10 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
         )
 
     # 3. build each replacement once, then point every reference at it (shared stays shared)
-    new_modules = {key: build_replacement(m, spec, plan, opts.init, opts.eps) for key, (m, spec, plan) in plans.items()}
+    new_modules = {key: build_replacement(m, spec, plan, opts.init, opts.eps) for key, (_, m, spec, plan) in plans.items()}
     new_modules.update(qk.replacements)  # attention layers rebuilt to take a QK-norm
-    for parent, attr, child in refs:
-        new = new_modules.get(id(child))
-        if new is not None:
-            setattr(parent, attr, new)
+    rewire(model, new_modules)
     qk.apply()
-    for name in report.converted:
-        old, spec, plan = plans[id(old_by_name[name])]
+    for name, old, spec, plan in plans.values():
         report.changes[name] = (type(old).__qualname__, plan.label + ("+act" if spec.fused_act else ""))
     return report

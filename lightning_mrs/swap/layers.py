@@ -61,6 +61,9 @@ class _ChannelsFirstNorm(nn.Module):
                 f"*spatial), got shape {tuple(x.shape)}."
             )
 
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
+
     def _affine(self, y: Tensor) -> Tensor:
         shape = (-1,) + (1,) * (y.ndim - 2)  # (C, 1, ..., 1) broadcast over positions
         if self.weight is not None:
@@ -82,9 +85,6 @@ class LayerNorm2d(_ChannelsFirstNorm):
         self._check(x)
         y = F.layer_norm(x.movedim(1, -1), (self.num_channels,), None, None, self.eps)
         return self._affine(y.movedim(-1, 1))  # (N, C, *spatial)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
 class RMSNorm2d(_ChannelsFirstNorm):
@@ -120,7 +120,7 @@ class RMSNorm2d(_ChannelsFirstNorm):
         return self._affine(y).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}, spatial={self.spatial}"
+        return f"{super().extra_repr()}, spatial={self.spatial}"
 
 
 class NormAct(nn.Module):

@@ -25,17 +25,19 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_mrs.swap.attention import QK_ATTRS
 from lightning_mrs.swap.engine import swap_norms
 from lightning_mrs.swap.options import SWAP_TARGETS
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
-__all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "rebuild", "rebuild_v1"]
+__all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
 LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"[, "qk"]}: JSON-friendly
-_QK_SUFFIXES = (".q_norm", ".k_norm")  # where the swap puts (or finds) an attention QK-norm
+_QK_SUFFIXES = tuple(f".{attr}" for attr in QK_ATTRS)  # where the swap puts (or finds) a QK-norm
 
 
-def _is_qk(name: str) -> bool:
+def is_qk_name(name: str) -> bool:
+    """``name`` is the dotted name of an attention layer's QK-norm (``<layer>.q_norm``/``.k_norm``)."""
     return name.endswith(_QK_SUFFIXES)
 
 
@@ -81,7 +83,7 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
     for name, module, spec in iter_norm_layers(model):
         if spec.unsupported is not None:
             continue
-        qk = _is_qk(name)
+        qk = is_qk_name(name)
         if qk or (target is not None and _of_target(module, spec, target)):
             eps = getattr(module, "eps", None)
             records[name] = {
