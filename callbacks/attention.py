@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
 
@@ -145,11 +145,7 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     ) -> None:
         super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
         check_count(self.owner, "max_queries", max_queries)
-        if isinstance(collapse_threshold, bool) or not isinstance(collapse_threshold, (int, float)) or not (
-            0.0 < collapse_threshold < 1.0
-        ):
-            raise ValueError(f"AttentionMonitor: collapse_threshold must lie in (0, 1) (a softmax weight), got "
-                             f"{collapse_threshold!r}.")
+        check_fraction(self.owner, "collapse_threshold", collapse_threshold, "a softmax weight")
         self.max_queries = max_queries
         self.collapse_threshold = float(collapse_threshold)
 

@@ -37,13 +37,12 @@ from torch import Tensor, nn
 from lightning_mrs.attention_stats import (
     FIGURE_NAMES, AttentionSums, aggregate_figures, attention_figures, attention_sums,
 )
-from lightning_mrs.callbacks.homogeneity_capture import apply_flat
+from lightning_mrs.callbacks.homogeneity_capture import Warn, apply_flat, no_warning, sums_dtype
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo
 
 __all__ = ["AttentionCapture", "WatchedLayer", "step_metrics"]
 
-Warn = Callable[[str, str], None]  # (once-key, message)
 Reduce = Callable[[Tensor, str], Tensor]  # (flat tensor, "sum" | "max") -> reduced over ranks
 _NORM_FIGURES = ("q_norm_mean", "k_norm_mean")
 
@@ -55,10 +54,6 @@ class WatchedLayer:
     name: str
     module: nn.Module
     info: AttentionInfo
-
-
-def _no_warning(key: str, message: str) -> None:
-    pass
 
 
 class AttentionCapture:
@@ -80,14 +75,13 @@ class AttentionCapture:
     """
 
     def __init__(self, layers: list[WatchedLayer], step: int, device: torch.device, max_queries: Optional[int],
-                 collapse_threshold: float = 0.99, warn: Warn = _no_warning) -> None:
+                 collapse_threshold: float = 0.99, warn: Warn = no_warning) -> None:
         self.layers = layers
         self.step = step
         self.max_queries = max_queries
         self.collapse_threshold = collapse_threshold
         self._warn = warn
-        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        self.sums = {layer.name: AttentionSums.zeros(layer.info.num_heads, dtype=dtype, device=device)
+        self.sums = {layer.name: AttentionSums.zeros(layer.info.num_heads, dtype=sums_dtype(device), device=device)
                      for layer in layers}
         self.stepped = False
         self._pending: dict[str, dict[str, Tensor]] = {}

@@ -44,7 +44,7 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_fraction
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
@@ -118,13 +118,7 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
         dashboard: bool = True,
     ) -> None:
         super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
-        if isinstance(starved_threshold, bool) or not isinstance(starved_threshold, (int, float)) or not (
-            0.0 < starved_threshold < 1.0
-        ):
-            raise ValueError(
-                f"GradientHomogeneityMonitor: starved_threshold must lie in (0, 1) (a fraction of the "
-                f"median G_i), got {starved_threshold!r}."
-            )
+        check_fraction(self.owner, "starved_threshold", starved_threshold, "a fraction of the median G_i")
         if isinstance(histogram_every_n_logs, bool) or not isinstance(histogram_every_n_logs, int) or (
             histogram_every_n_logs < 0
         ):

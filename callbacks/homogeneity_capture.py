@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_mrs.stats import PhasorSums, phasor_sums, weight_grad_stats
 from lightning_mrs.swap.registry import NormSpec
 
-__all__ = ["Capture", "MonitoredLayer", "apply_flat"]
+__all__ = ["Capture", "MonitoredLayer", "Warn", "apply_flat", "no_warning", "sums_dtype"]
 
 Warn = Callable[[str, str], None]  # (once-key, message)
 K = TypeVar("K", bound=Hashable)
@@ -79,8 +79,13 @@ class MonitoredLayer:
         return self.spec.num_channels // 2
 
 
-def _no_warning(key: str, message: str) -> None:
-    pass
+def no_warning(key: str, message: str) -> None:
+    """The default ``warn`` of a capture: problems met in a hook are dropped."""
+
+
+def sums_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a capture accumulates its sums in on ``device``."""
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
 class Capture:
@@ -101,13 +106,12 @@ class Capture:
         stepped: an optimizer step happened since the capture opened.
     """
 
-    def __init__(self, layers: list[MonitoredLayer], step: int, device: torch.device, warn: Warn = _no_warning) -> None:
+    def __init__(self, layers: list[MonitoredLayer], step: int, device: torch.device, warn: Warn = no_warning) -> None:
         self.layers = layers
         self.step = step
         self._warn = warn
-        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
         self.sums: dict[str, PhasorSums] = {
-            layer.name: PhasorSums.zeros(layer.num_phasors, dtype=dtype, device=device) for layer in layers
+            layer.name: PhasorSums.zeros(layer.num_phasors, dtype=sums_dtype(device), device=device) for layer in layers
         }
         self.weights: dict[str, dict[str, Tensor]] = {}
         self.scale: Optional[float] = None
@@ -133,12 +137,12 @@ class Capture:
         trainable = any(p.requires_grad for p in module.parameters(recurse=False))
         if not x.requires_grad and not trainable:
             return None
-        cd = layer.spec.channel_dim
-        if x.ndim == 0 or not -x.ndim <= cd < x.ndim or x.shape[cd] != layer.spec.num_channels:
+        channel_dim = layer.spec.channel_dim
+        if x.ndim == 0 or not -x.ndim <= channel_dim < x.ndim or x.shape[channel_dim] != layer.spec.num_channels:
             self._warn(
                 f"shape:{layer.name}",
                 f"GradientHomogeneityMonitor: layer {layer.name!r} ({type(module).__name__}) got an input of shape "
-                f"{tuple(x.shape)} without {layer.spec.num_channels} channels on dim {cd}; it is not monitored. "
+                f"{tuple(x.shape)} without {layer.spec.num_channels} channels on dim {channel_dim}; it is not monitored. "
                 "Register its layout with lightning_mrs.register_norm(...) if the registry guessed wrong.",
             )
             return None

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_mrs.callbacks.logging_steps import LoggingSteps
 from lightning_mrs.callbacks.tb_layout import Dashboard, tensorboard_experiment
 
-__all__ = ["LoggingStepMonitor", "StepCapture", "check_count"]
+__all__ = ["LoggingStepMonitor", "StepCapture", "check_count", "check_fraction"]
 
 
 class StepCapture(Protocol):
@@ -55,6 +55,13 @@ def check_count(owner: str, name: str, value: Any, none: str = "") -> None:
     (``none``: what ``None`` means, appended to the message)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{owner}: {name} must be None or an int >= 1{none}, got {value!r}.")
+
+
+def check_fraction(owner: str, name: str, value: Any, meaning: str) -> None:
+    """Raise a ``ValueError`` naming ``owner`` unless ``value`` is a number in ``(0, 1)``
+    (``meaning``: what the value is, in the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"{owner}: {name} must lie in (0, 1) ({meaning}), got {value!r}.")
 
 
 class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):

@@ -181,11 +181,11 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> PhasorSums:
             f"phasor_sums: input and gradient shapes differ: {tuple(x.shape)} vs "
             f"{tuple(grad.shape)}."
         )
-    cd = phasor_channel_dim(x, channel_dim, "phasor_sums")
+    channel_dim = phasor_channel_dim(x, channel_dim, "phasor_sums")
     work = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    p = x.shape[cd] // 2
-    lead = math.prod(x.shape[:cd])
-    trail = math.prod(x.shape[cd + 1 :])
+    p = x.shape[channel_dim] // 2
+    lead = math.prod(x.shape[:channel_dim])
+    trail = math.prod(x.shape[channel_dim + 1 :])
     with torch.no_grad():
         # canonical (A, P, 2, L) layout: a free view of contiguous tensors. Only cheap
         # element-wise kernels on the even/odd slices and (A, L) reductions follow
