@@ -54,8 +54,8 @@ CONFIGS = ("none", "default", "every")
 class Clock(pl.Callback):
     """Start mark (registered first) or end mark (registered last) of each training step."""
 
-    def __init__(self, times: Optional[list[float]] = None, start: Optional["Clock"] = None) -> None:
-        self.times = times if times is not None else []
+    def __init__(self, start: Optional["Clock"] = None) -> None:
+        self.times: list[float] = []
         self.start, self.t0 = start, 0.0
 
     @staticmethod

@@ -3,3 +3,5 @@
 from lightning_mrs.callbacks.attention import AttentionMonitor
 from lightning_mrs.callbacks.homogeneity import GradientHomogeneityMonitor
 from lightning_mrs.callbacks.norm_swap import NormSwap
+
+__all__ = ["AttentionMonitor", "GradientHomogeneityMonitor", "NormSwap"]

@@ -113,12 +113,12 @@ class TensorImages(Dataset):
     Args:
         images: ``(N, C, H, W)`` images.
         labels: ``(N,)`` classes.
-        indices: the samples of this split (``None``: all of them).
+        indices: the samples of this split.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: Sequence[int]) -> None:
         self.images, self.labels = images, labels
-        self.indices = list(range(len(labels))) if indices is None else list(indices)
+        self.indices = list(indices)
 
     def __len__(self) -> int:
         return len(self.indices)

@@ -71,7 +71,7 @@ from recipes.errors import report
 from recipes.stress_args import parse_args, usable_cpus
 from recipes.stress_sweeps import ATTENTION_QUERIES, NORM
 
-__all__ = ["cell_name", "main", "parse_args", "run", "sweep_settings"]
+__all__ = ["main", "parse_args", "run", "sweep_settings"]
 
 SETTINGS_FILE = "settings.json"
 #: the digits split: a fixed share of each class held out for validation, the same in every cell
@@ -82,11 +82,6 @@ _SPLITS = {
     "cifar100": "the official 50000 training / 10000 test images (test used for validation)",
     "synthetic": "generated training and validation sets",
 }
-
-
-def cell_name(norm: str, lr: float, batch_size: int, seed: int) -> str:
-    """The ``norm`` sweep's cell id (:meth:`recipes.stress_sweeps.Sweep.cell_name`)."""
-    return NORM.cell_name(norm, lr, batch_size, seed)
 
 
 def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,12 +16,11 @@ from typing import Any, Callable, NoReturn, Optional
 
 from recipes.stress_sweeps import NORM, SWEEPS, Sweep
 
-__all__ = ["DATASET_DEFAULTS", "GRID", "QUICK", "parse_args", "usable_cpus"]
+__all__ = ["DATASET_DEFAULTS", "GRID", "parse_args", "usable_cpus"]
 
 #: the ``norm`` sweep's default grid, ``--quick`` and per-dataset defaults (the other sweep's:
 #: :data:`recipes.stress_sweeps.QK`)
 GRID: dict[str, list[Any]] = {"norms": NORM.grid["arms"], **{k: v for k, v in NORM.grid.items() if k != "arms"}}
-QUICK: dict[str, Any] = NORM.quick
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = NORM.datasets
 _AXES = ("lrs", "batch_sizes", "seeds")
 _PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")

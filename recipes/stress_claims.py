@@ -190,19 +190,21 @@ def _claim3(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
             (f"MRSNorm struggles at batch 32 (final top-1 < {f:g} x its top-1 at lr 0.1)", struggles)]
 
 
-def _best_lr(rows: list[dict[str, Any]], norm: str, bs: int) -> Optional[float]:
-    """The learning rate of the robustness table's best seed-mean top-1 (one definition for the report)."""
+def _best_lrs(rows: list[dict[str, Any]]) -> dict[tuple[str, int], Optional[float]]:
+    """(norm, batch size) -> the learning rate of the robustness table's best seed-mean top-1
+    (one definition for the report)."""
     from recipes.stress_summary import robustness
 
-    return next((s["best_lr"] for s in robustness(rows) if s["norm"] == norm and s["batch_size"] == bs), None)
+    return {(s["norm"], s["batch_size"]): s["best_lr"] for s in robustness(rows)}
 
 
 def _claim4(rows: list[dict[str, Any]]) -> list[tuple[str, list[Comparison]]]:
+    best_lrs = _best_lrs(rows)
     parts = []
     for bs in PAPER_BATCH_SIZES:
         arms = []
         for n in ("mrs", "rms"):
-            lr = _best_lr(rows, n, bs)
+            lr = best_lrs.get((n, bs))
             arms.append((f"{n} @ lr {lr:g}", arm_values(rows, n, lr, bs, accuracy)) if lr is not None
                         else (n, ([], f"missing cells: {n} at batch {bs}")))
         parts.append(welch_comparison(f"batch {bs}: mrs - rms, each at its best lr", arms[0], arms[1], "above",

@@ -19,13 +19,12 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from recipes.stress_rows import accuracy, chance, distinct_lrs, select
+from recipes.stress_rows import accuracy, arm_key, chance, distinct_lrs, select
 
 __all__ = ["NORM_COLOURS", "figure", "qk_figure"]
 
 NORM_COLOURS = {"layer": "tab:blue", "rms": "tab:orange", "mrs": "tab:green", "batch": "tab:gray",
                 "none": "tab:red"}
-_NORM_ORDER = ("none", "layer", "rms", "mrs", "batch")
 _PAPER_SPAN = (0.1, 0.4)
 _PAPER_COLOUR = "#fdf1c7"  # a pale yellow: apart from the grey of the BatchNorm reference
 
@@ -40,7 +39,7 @@ def _pyplot() -> Any:
 
 
 def _arms(rows: list[dict[str, Any]], by: str) -> list[str]:
-    return sorted({r[by] for r in rows}, key=lambda n: (_NORM_ORDER.index(n) if n in _NORM_ORDER else 9, n))
+    return sorted({r[by] for r in rows}, key=arm_key)
 
 
 def _lines(ax: Any, rows: list[dict[str, Any]], by: str, bs: int, value: Callable[[dict[str, Any]], Optional[float]],

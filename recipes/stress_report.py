@@ -27,11 +27,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from recipes.stress_rows import CSV_COLUMNS, QK_COLUMNS, accuracy, csv_text, read_csv
+from recipes.stress_rows import CSV_COLUMNS, QK_COLUMNS, accuracy, arm_key, csv_text, read_csv
 
 __all__ = ["CSV_COLUMNS", "load_records", "write_atomic", "write_outputs"]
 
-NORM_ORDER = {"none": -1, "layer": 0, "rms": 1, "mrs": 2, "batch": 3}
 Metric = tuple[str, Callable[[list[dict[str, Any]]], str]]  # a per-cell table column: header, rows -> text
 
 
@@ -62,7 +61,7 @@ def _arm(r: dict[str, Any]) -> str:
 
 
 def _order(r: dict[str, Any]) -> tuple:
-    return (r["lr"], r["batch_size"], NORM_ORDER.get(_arm(r), 9), _arm(r), r["seed"])
+    return (r["lr"], r["batch_size"], *arm_key(_arm(r)), r["seed"])
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
@@ -110,7 +109,7 @@ _SWEEP_TABLES: dict[str, tuple[str, list[Metric], str]] = {
 
 
 def _axes(rows: list[dict[str, Any]], by: str) -> list[str]:
-    norms = sorted({r[by] for r in rows}, key=lambda n: (NORM_ORDER.get(n, 9), n))
+    norms = sorted({r[by] for r in rows}, key=arm_key)
     lrs = sorted({r["lr"] for r in rows})
     return [f"- grid: {by.replace('_', '-')}s {' '.join(norms)}; learning rates {' '.join(f'{v:g}' for v in lrs)}; "
             f"batch sizes "
@@ -143,7 +142,7 @@ def _cell_table(rows: list[dict[str, Any]], sweep: str) -> list[str]:
         + " | ".join(h for h, _ in metrics) + " |",
         "|---:|---:|:---|---:|---:|---:|:---|" + "---:|" * len(metrics),
     ]
-    for (lr, bs, norm), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], NORM_ORDER.get(kv[0][2], 9))):
+    for (lr, bs, norm), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], arm_key(kv[0][2])[0])):
         div = [r for r in rs if r["diverged"]]
         steps = [r["divergence_step"] for r in div if r.get("divergence_step") is not None]
         mark = f"**DIVERGED {len(div)}/{len(rs)} @ {min(steps) if steps else '?'}**" if div else "none"
@@ -213,13 +212,14 @@ def write_outputs(out: Path, settings: dict[str, Any], command: str, figure: boo
     records = load_records(out)
     write_atomic(out / "results.csv", csv_text(records, QK_COLUMNS if sweep == "qk" else CSV_COLUMNS))
     rows = read_csv(out / "results.csv")  # the report rests on the CSV alone
-    summaries = robustness(rows, by=by, norm_order=tuple(NORM_ORDER))
+    summaries = robustness(rows, by=by)
     write_atomic(out / "robustness.csv", robustness_csv(summaries, by))
     commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     write_atomic(out / "results.md", _markdown(rows, settings, commands or [command], summaries, sweep))
     png = out / "results.png"
-    newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
-    if figure and rows and (not png.exists() or png.stat().st_mtime < newest):
-        draw = stress_figure.qk_figure if sweep == "qk" else stress_figure.figure
-        draw(rows, png)
+    if figure and rows:  # the cells' files are looked at only when a figure may be drawn
+        newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
+        if not png.exists() or png.stat().st_mtime < newest:
+            draw = stress_figure.qk_figure if sweep == "qk" else stress_figure.figure
+            draw(rows, png)
     return records

@@ -17,8 +17,11 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-__all__ = ["CSV_COLUMNS", "QK_COLUMNS", "accuracy", "chance", "csv_text", "distinct_lrs", "read_csv", "same_lr",
-           "select", "survived"]
+__all__ = ["ARM_ORDER", "CSV_COLUMNS", "QK_COLUMNS", "accuracy", "arm_key", "chance", "csv_text", "distinct_lrs",
+           "read_csv", "same_lr", "select", "survived"]
+
+#: the order the arms (norms, QK-norms) are shown in: tables, figures, summaries; others after them
+ARM_ORDER = ("none", "layer", "rms", "mrs", "batch")
 
 CSV_COLUMNS = [
     "norm", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps",
@@ -102,6 +105,11 @@ def survived(row: dict[str, Any]) -> float:
     return min(1.0, step / planned)
 
 
+def arm_key(arm: str) -> tuple[int, str]:
+    """Sort key of an arm: :data:`ARM_ORDER`, then any other arm by name."""
+    return (ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER), arm)
+
+
 def same_lr(a: float, b: float) -> bool:
     """Learning rates read back from text compare equal when they agree to 6 significant digits."""
     return math.isclose(a, b, rel_tol=1e-5)
@@ -116,13 +124,14 @@ def distinct_lrs(rows: Iterable[dict[str, Any]]) -> list[float]:
     return out
 
 
-def select(rows: Iterable[dict[str, Any]], norm: Optional[str] = None, lr: Optional[float] = None,
-           batch_size: Optional[int] = None, **columns: Any) -> list[dict[str, Any]]:
-    """The rows of one norm / learning rate / batch size (``None``: any), in seed order.
+def select(rows: Iterable[dict[str, Any]], lr: Optional[float] = None, batch_size: Optional[int] = None,
+           **columns: Any) -> list[dict[str, Any]]:
+    """The rows of one learning rate / batch size (``None``: any) and arm, in seed order.
 
-    ``columns``: more equalities, e.g. ``qk_norm="mrs"`` (``None``: any).
+    ``columns``: the arm and any other equalities, e.g. ``norm="mrs"`` or ``qk_norm="mrs"``
+    (``None``: any).
     """
-    picked = [r for r in rows if (norm is None or r["norm"] == norm) and (lr is None or same_lr(r["lr"], lr))
+    picked = [r for r in rows if (lr is None or same_lr(r["lr"], lr))
               and (batch_size is None or r["batch_size"] == batch_size)
               and all(v is None or r.get(k) == v for k, v in columns.items())]
     return sorted(picked, key=lambda r: r["seed"])

@@ -30,7 +30,7 @@ import math
 import statistics
 from typing import Any
 
-from recipes.stress_rows import accuracy, chance, csv_text, distinct_lrs, same_lr, select
+from recipes.stress_rows import accuracy, arm_key, chance, csv_text, distinct_lrs, same_lr, select
 
 __all__ = ["ROBUSTNESS_COLUMNS", "THRESHOLD", "markdown", "robustness", "robustness_csv"]
 
@@ -72,15 +72,14 @@ def _one(rows: list[dict[str, Any]], by: str, arm: str, bs: int, lrs: list[float
     }
 
 
-def robustness(rows: list[dict[str, Any]], norm_order: tuple[str, ...] = ("layer", "rms", "mrs", "batch"),
-               by: str = "norm") -> list[dict[str, Any]]:
+def robustness(rows: list[dict[str, Any]], by: str = "norm") -> list[dict[str, Any]]:
     """One summary per (arm, batch size) present in ``rows`` (see the module docstring).
 
-    ``by``: the arm's column; ``norm_order``: the arms' order (others after them, by name).
+    ``by``: the arm's column; the arms come in :func:`~recipes.stress_rows.arm_key` order.
     Each summary also holds ``per_seed_sensitivity``, the per-seed values behind ``lr_sensitivity``.
     """
     lrs = distinct_lrs(rows)
-    arms = sorted({r[by] for r in rows}, key=lambda n: (norm_order.index(n) if n in norm_order else 99, n))
+    arms = sorted({r[by] for r in rows}, key=arm_key)
     sizes = sorted({r["batch_size"] for r in rows})
     return [_one(rows, by, n, bs, lrs) for n in arms for bs in sizes if select(rows, batch_size=bs, **{by: n})]
 
