@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import pytest
 import torch
 
-from helpers import lightning as lightning_helpers
 from helpers.recording_logger import RecordingLogger
-
-
-@pytest.fixture
-def tiny_fit() -> Callable[..., Any]:
-    """:func:`helpers.lightning.fit`: fit a tiny LightningModule for a few CPU steps."""
-    return lightning_helpers.fit
 
 
 @pytest.fixture

@@ -11,16 +11,14 @@ single-process run in the test process.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers.ddp import DumpHistory, RankStride, run_job
-from helpers.lightning import TinyModule, fit, image_data, per_sample_net
-from helpers.recording_logger import RecordingLogger
+from helpers.ddp import assert_same_history, read_history, run_job, split_fit
+from helpers.lightning import TinyModule, image_data, per_sample_net
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
 
 GLOBAL_BATCH, STEPS = 8, 3
@@ -28,12 +26,8 @@ GLOBAL_BATCH, STEPS = 8, 3
 
 def run(strategy: str, devices: int, out: str = "") -> dict[str, dict[int, float]]:
     """Per-sample norms only (no cross-sample statistics), the global batch split over ranks."""
-    rec = RecordingLogger()
-    data = image_data()
-    fit(TinyModule(per_sample_net), steps=STEPS, logger=rec, data=data, sampler=RankStride(len(data)),
-        batch_size=GLOBAL_BATCH // devices, devices=devices, strategy=strategy, use_distributed_sampler=False,
-        callbacks=[GradientHomogeneityMonitor(), *([DumpHistory(out)] if out else [])])
-    return rec.history
+    return split_fit(TinyModule(per_sample_net), image_data(), global_batch=GLOBAL_BATCH, devices=devices,
+                     strategy=strategy, steps=STEPS, callbacks=[GradientHomogeneityMonitor()], out=out)
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +42,8 @@ def test_ddp_gloo_matches_single_process(tmp_path: Path, strategy: str, single: 
     out = tmp_path / "rank0.json"
     proc = run_job(Path(__file__).resolve(), strategy, str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ddp = {tag: {int(k): v for k, v in series.items()} for tag, series in json.loads(out.read_text()).items()}
-    phasor = {tag for tag in single if tag.startswith("phasor/")}
-    assert {tag for tag in ddp if tag.startswith("phasor/")} == phasor
+    phasor = assert_same_history(read_history(out), single, "phasor/", STEPS, rel=1e-4, abs=1e-9)
     assert {"phasor/net.1/grad_mean", "phasor/net.4/grad_cv", "phasor/net.9/wgrad_mean", "phasor/all/grad_cv"} <= phasor
-    for tag in phasor:
-        assert ddp[tag].keys() == ddp["train/loss"].keys() == set(range(STEPS)), tag
-        for step, value in single[tag].items():
-            assert ddp[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-9), (tag, step)
 
 
 if __name__ == "__main__":

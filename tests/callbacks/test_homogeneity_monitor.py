@@ -75,10 +75,6 @@ def record(net_fn: Callable[[], nn.Module] = monitored_net, *, module_cls: type 
     return rec
 
 
-def phasor_steps(rec: RecordingLogger) -> dict[str, list[int]]:
-    return {tag: sorted(series) for tag, series in rec.history.items() if tag.startswith("phasor/")}
-
-
 def reference_figures(x: torch.Tensor, g: torch.Tensor, channel_dim: int, threshold: float = 0.1) -> dict:
     """The figures from the definitions, in float64 numpy (independent of lightning_mrs.stats)."""
     c = x.shape[channel_dim]
@@ -283,16 +279,16 @@ def test_nan_injection(on_nonfinite: str) -> None:
     assert value(rec, "net.1", "nonfinite") == count["net.1"] + w_nonfinite
     assert value(rec, "all", "nonfinite") == sum(count.values()) + w_nonfinite
     # the other figures of the poisoned step come from the finite entries and stay finite
-    for tag in phasor_steps(rec):
+    for tag in rec.steps("phasor/"):
         assert all(math.isfinite(v) for v in rec.history[tag].values()), tag
 
 
 def test_gradient_accumulation_sums_micro_batches() -> None:
     whole = record(per_sample_net, steps=2, batch_size=8)
     accumulated = record(per_sample_net, steps=2, batch_size=4, accumulate_grad_batches=2)
-    assert phasor_steps(whole) == phasor_steps(accumulated)
-    assert phasor_steps(whole)["phasor/net.1/grad_mean"] == [0, 1]
-    for tag, steps in phasor_steps(whole).items():
+    assert whole.steps("phasor/") == accumulated.steps("phasor/")
+    assert whole.steps("phasor/")["phasor/net.1/grad_mean"] == [0, 1]
+    for tag, steps in whole.steps("phasor/").items():
         for step in steps:
             v = whole.history[tag][step]
             assert accumulated.history[tag][step] == pytest.approx(v, rel=1e-4, abs=1e-9), (tag, step)
@@ -348,7 +344,7 @@ def test_include_filter_and_odd_layers_are_reported() -> None:
         rec = record(net, steps=1)
     assert "phasor/net.3/grad_cv" in rec.history and not any("net.1/" in t for t in rec.history)
     rec = record(steps=1, monitor=GradientHomogeneityMonitor(include=r"\.(1|10)$"))
-    assert {t.split("/")[1] for t in phasor_steps(rec)} == {"net.1", "net.10", "all"}
+    assert {t.split("/")[1] for t in rec.steps("phasor/")} == {"net.1", "net.10", "all"}
 
 
 def test_state_dict_round_trip() -> None:

@@ -7,50 +7,46 @@ accumulation, resuming, and runs too short for the interval.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 
-from helpers.lightning import ManualModule, TinyModule, conv_net, image_data
+from helpers.lightning import ManualModule, TinyModule, conv_net, fit, image_data
 from helpers.recording_logger import RecordingLogger
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
-
-
-def phasor_steps(rec: RecordingLogger) -> dict[str, list[int]]:
-    return {tag: sorted(series) for tag, series in rec.history.items() if tag.startswith("phasor/")}
 
 
 def assert_aligned(rec: RecordingLogger, expected: list[int]) -> None:
     """``train/loss`` (Lightning) and every phasor/* tag (the monitor) at exactly ``expected``."""
     assert sorted(rec.history["train/loss"]) == expected
-    steps = phasor_steps(rec)
+    steps = rec.steps("phasor/")
     assert {"phasor/net.1/grad_cv", "phasor/net.5/grad_cv", "phasor/all/grad_cv"} <= steps.keys()
     assert all(s == expected for s in steps.values()), steps
 
 
 @pytest.mark.parametrize("interval,batches", [(1, 5), (2, 6), (4, 9), (50, 100)])
-def test_manual_optimization_two_optimizers(tiny_fit: Callable, recording_logger: RecordingLogger,
+def test_manual_optimization_two_optimizers(recording_logger: RecordingLogger,
                                             interval: int, batches: int) -> None:
     """Each batch steps two optimizers, yet Lightning counts it once (resume covers new epochs)."""
-    tiny_fit(ManualModule(conv_net), steps=2 * batches, logger=recording_logger, log_every_n_steps=interval,
+    fit(ManualModule(conv_net), steps=2 * batches, logger=recording_logger, log_every_n_steps=interval,
              callbacks=[GradientHomogeneityMonitor()], data=image_data(200, (4, 4)), batch_size=2)
     assert_aligned(recording_logger, list(range(interval - 1, batches, interval)))  # (n + 1) % interval == 0
 
 
 @pytest.mark.parametrize("interval", [1, 3])
-def test_gradient_accumulation(tiny_fit: Callable, recording_logger: RecordingLogger, interval: int) -> None:
+def test_gradient_accumulation(recording_logger: RecordingLogger, interval: int) -> None:
     # 5 batches per epoch, pairs accumulated: Lightning also steps on each epoch's last, odd batch
-    tiny_fit(conv_net, steps=6, accumulate_grad_batches=2, logger=recording_logger, log_every_n_steps=interval,
+    fit(conv_net, steps=6, accumulate_grad_batches=2, logger=recording_logger, log_every_n_steps=interval,
              callbacks=[GradientHomogeneityMonitor()], data=image_data(40))
     assert_aligned(recording_logger, list(range(interval - 1, 6, interval)))
 
 
 @pytest.mark.parametrize("with_state", [True, False])
-def test_manual_optimization_resume(tmp_path, tiny_fit: Callable, recording_logger: RecordingLogger,
+def test_manual_optimization_resume(tmp_path, recording_logger: RecordingLogger,
                                     with_state: bool) -> None:
     kw: dict[str, Any] = dict(log_every_n_steps=2, data=image_data(12, (4, 4)), batch_size=4)  # 3 batches an epoch
-    trainer, _ = tiny_fit(ManualModule(conv_net), steps=2 * 3, callbacks=[GradientHomogeneityMonitor()], **kw)
+    trainer, _ = fit(ManualModule(conv_net), steps=2 * 3, callbacks=[GradientHomogeneityMonitor()], **kw)
     ckpt = tmp_path / "first.ckpt"
     trainer.save_checkpoint(ckpt)
     if not with_state:  # a checkpoint written without the monitor
@@ -59,7 +55,7 @@ def test_manual_optimization_resume(tmp_path, tiny_fit: Callable, recording_logg
         torch.save(state, ckpt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tiny_fit(ManualModule(conv_net), steps=2 * 7, logger=recording_logger, ckpt_path=str(ckpt),
+        fit(ManualModule(conv_net), steps=2 * 7, logger=recording_logger, ckpt_path=str(ckpt),
                  callbacks=[GradientHomogeneityMonitor()], **kw)
     guessed = [w for w in caught if "without the monitor's batch count" in str(w.message)]
     assert len(guessed) == (0 if with_state else 1)
@@ -72,17 +68,17 @@ def test_manual_optimization_resume(tmp_path, tiny_fit: Callable, recording_logg
     (ManualModule, 5, "ended after step 3"),  # max_steps=8 counts both optimizers: found at the end
     (ManualModule, 4, None),
 ])
-def test_interval_longer_than_the_run_warns_once(tiny_fit: Callable, recording_logger: RecordingLogger,
+def test_interval_longer_than_the_run_warns_once(recording_logger: RecordingLogger,
                                                  module_cls: type, interval: int, warns: Optional[str]) -> None:
     batches = 4
     steps = batches * (2 if module_cls is ManualModule else 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tiny_fit(module_cls(conv_net), steps=steps, logger=recording_logger,
+        fit(module_cls(conv_net), steps=steps, logger=recording_logger,
                  callbacks=[GradientHomogeneityMonitor(log_every_n_steps=interval)])
     ours = [str(w.message) for w in caught if "no phasor/* figure is logged" in str(w.message)]
     if warns is None:
-        assert not ours and phasor_steps(recording_logger)["phasor/all/grad_cv"] == [3]
+        assert not ours and recording_logger.steps("phasor/")["phasor/all/grad_cv"] == [3]
     else:
         assert len(ours) == 1 and warns in ours[0] and f"log_every_n_steps={interval}" in ours[0]
-        assert not phasor_steps(recording_logger)
+        assert not recording_logger.steps("phasor/")

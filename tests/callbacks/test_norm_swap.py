@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from helpers.lightning import TinyModule, image_data
+from helpers.lightning import TinyModule, assert_same_model, fit, image_data, normswap_record
 from lightning_mrs import MRSNorm, MRSNorm2d, NormAct, SwapOptions, swap_norms
 from lightning_mrs.callbacks import NormSwap
 
@@ -31,31 +31,16 @@ def _save(trainer: pl.Trainer, path: Path) -> Path:
     return path
 
 
-def _record(path: Path) -> dict[str, Any]:
-    (state,) = [v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if k.startswith("NormSwap")]
-    return state
-
-
-def _assert_same_model(restored: nn.Module, path: Path, trained: nn.Module) -> None:
-    """``restored`` holds exactly the checkpoint's weights and computes what ``trained`` does."""
-    saved = torch.load(path, weights_only=False)["state_dict"]
-    got = restored.state_dict()
-    assert list(got) == list(saved)
-    for key, value in saved.items():
-        assert torch.equal(got[key], value), key
-    torch.testing.assert_close(restored.eval()(X), trained.eval()(X), atol=0, rtol=0)
-
-
 def _owned(trainer: pl.Trainer) -> set[int]:
     return {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
 
 
 # ---------------------------------------------------------------------------------- fit
 @pytest.mark.parametrize("build", ["init", "configure_model"])
-def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tiny_fit, build, caplog):
+def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(build, caplog):
     swap = NormSwap()
     with caplog.at_level(logging.INFO):
-        trainer, model = tiny_fit(TinyModule(build=build), steps=3, callbacks=[swap])
+        trainer, model = fit(TinyModule(build=build), steps=3, callbacks=[swap])
     bn, ln = model.net[1], model.net[5]
     assert isinstance(bn, MRSNorm2d) and bn.spatial and isinstance(ln, MRSNorm)
     assert {id(bn.weight), id(ln.weight)} <= _owned(trainer)
@@ -67,18 +52,18 @@ def test_fit_swaps_before_the_optimizer_and_the_mrs_weights_train(tiny_fit, buil
     pickle.dumps(model)  # nothing local left on the module
 
 
-def test_a_model_built_in_lightningmodule_setup_is_refused_before_training(tiny_fit):
+def test_a_model_built_in_lightningmodule_setup_is_refused_before_training():
     # Lightning runs LightningModule.setup after the callbacks' setup: too late to swap
     model = TinyModule(build="setup")
     with pytest.raises(MisconfigurationException, match=r"\['net.1', 'net.5'\] appeared after the swap.*configure_mod"):
-        tiny_fit(model, callbacks=[NormSwap()])
+        fit(model, callbacks=[NormSwap()])
     assert not model._load_state_dict_pre_hooks  # removed on the exception too
     assert model.net[1].weight.grad is None  # no training step ran
 
 
-def test_options_reach_the_swap(tiny_fit):
+def test_options_reach_the_swap():
     swap = NormSwap("layer", exclude="net.5", spatial=False)
-    _, model = tiny_fit(callbacks=[swap], steps=1)
+    _, model = fit(callbacks=[swap], steps=1)
     assert type(model.net[1]).__name__ == "LayerNorm2d" and type(model.net[5]) is nn.LayerNorm
     assert "net.5" in swap.report.skipped
 
@@ -111,9 +96,9 @@ class StaleOptimizerModule(TinyModule):
         return torch.optim.SGD(self.stale, lr=0.1)
 
 
-def test_weights_outside_the_optimizer_are_warned_about(tiny_fit):
+def test_weights_outside_the_optimizer_are_warned_about():
     with pytest.warns(UserWarning, match=r"swapped layers \['net.1', 'net.5'\].*no optimizer holds"):
-        tiny_fit(StaleOptimizerModule(), steps=1, callbacks=[NormSwap()])
+        fit(StaleOptimizerModule(), steps=1, callbacks=[NormSwap()])
 
 
 # --------------------------------------------------------------------- refused strategies
@@ -139,38 +124,38 @@ def test_multiprocessing_launchers_are_refused_in_setup(strategy):
 
 # ------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("build", ["init", "configure_model"])
-def test_checkpoint_resume_and_restore(tiny_fit, tmp_path, build):
-    trainer, trained = tiny_fit(TinyModule(build=build), callbacks=[NormSwap()])
+def test_checkpoint_resume_and_restore(tmp_path, build):
+    trainer, trained = fit(TinyModule(build=build), callbacks=[NormSwap()])
     path = _save(trainer, tmp_path / "last.ckpt")
-    state = _record(path)
+    state = normswap_record(path)
     assert state["version"] == 2 and state["target"] == "mrs" and list(state["layers"]) == ["net.1", "net.5"]
     assert state["layers"]["net.1"] == {"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5}
     assert state["layers"]["net.5"] == {"kind": "mrs", "channel_dim": -1, "spatial": None, "eps": 1e-5}
 
     # resume: the fresh model is swapped in setup, then the weights load; training continues
-    resumed, model = tiny_fit(TinyModule(build=build), steps=4, callbacks=[NormSwap()], ckpt_path=path)
+    resumed, model = fit(TinyModule(build=build), steps=4, callbacks=[NormSwap()], ckpt_path=path)
     assert resumed.global_step == 4 and isinstance(model.net[1], MRSNorm2d)
 
     # restore: one line, exact weights and outputs
-    _assert_same_model(NormSwap.restore(TinyModule(build=build), path), path, trained)
+    assert_same_model(NormSwap.restore(TinyModule(build=build), path), path, trained, X)
 
 
-def test_a_second_fit_records_the_swapped_model(tiny_fit, tmp_path):
+def test_a_second_fit_records_the_swapped_model(tmp_path):
     # defect: the second fit converted nothing and recorded nothing, so neither restore nor resume worked
-    _, model = tiny_fit(callbacks=[NormSwap()])
-    trainer, model = tiny_fit(model, callbacks=[NormSwap()])
+    _, model = fit(callbacks=[NormSwap()])
+    trainer, model = fit(model, callbacks=[NormSwap()])
     path = _save(trainer, tmp_path / "second.ckpt")
-    _assert_same_model(NormSwap.restore(TinyModule(), path), path, model)
-    resumed, fresh = tiny_fit(TinyModule(), steps=4, callbacks=[NormSwap()], ckpt_path=path)
+    assert_same_model(NormSwap.restore(TinyModule(), path), path, model, X)
+    resumed, fresh = fit(TinyModule(), steps=4, callbacks=[NormSwap()], ckpt_path=path)
     assert resumed.global_step == 4 and isinstance(fresh.net[1], MRSNorm2d)
-    assert list(_record(path)["layers"]) == ["net.1", "net.5"]
+    assert list(normswap_record(path)["layers"]) == ["net.1", "net.5"]
 
 
-def test_resume_accepts_other_options_that_build_the_same_layers(tiny_fit, tmp_path):
+def test_resume_accepts_other_options_that_build_the_same_layers(tmp_path):
     # spatial="auto" turns a BatchNorm into the per-sample MRSNorm2d that spatial=True asks for
-    trainer, _ = tiny_fit(callbacks=[NormSwap(spatial="auto")])
+    trainer, _ = fit(callbacks=[NormSwap(spatial="auto")])
     path = _save(trainer, tmp_path / "auto.ckpt")
-    resumed, model = tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=True)], ckpt_path=path)
+    resumed, model = fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=True)], ckpt_path=path)
     assert resumed.global_step == 3 and model.net[1].spatial
 
 
@@ -188,11 +173,11 @@ def test_resume_accepts_other_options_that_build_the_same_layers(tiny_fit, tmp_p
     ],
     ids=["spatial", "eps", "target", "exclude"],
 )
-def test_resume_refuses_other_layers_naming_both(tiny_fit, tmp_path, options, lines):
-    trainer, _ = tiny_fit(callbacks=[NormSwap()])
+def test_resume_refuses_other_layers_naming_both(tmp_path, options, lines):
+    trainer, _ = fit(callbacks=[NormSwap()])
     path = _save(trainer, tmp_path / "last.ckpt")
     with pytest.raises(MisconfigurationException) as info:
-        tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(**options)], ckpt_path=path)
+        fit(TinyModule(), steps=3, callbacks=[NormSwap(**options)], ckpt_path=path)
     message = str(info.value)
     assert message.startswith(f"NormSwap({SwapOptions(**options).describe()}): the checkpoint's norm layers differ")
     for line in lines:
@@ -201,19 +186,19 @@ def test_resume_refuses_other_layers_naming_both(tiny_fit, tmp_path, options, li
     assert "NormSwap.restore(model, path)" in message
 
 
-def test_resume_of_a_checkpoint_trained_without_normswap_explains(tiny_fit, tmp_path):
-    trainer, _ = tiny_fit()
+def test_resume_of_a_checkpoint_trained_without_normswap_explains(tmp_path):
+    trainer, _ = fit()
     path = _save(trainer, tmp_path / "plain.ckpt")
     with pytest.raises(MisconfigurationException) as info:
-        tiny_fit(TinyModule(), callbacks=[NormSwap()], ckpt_path=path)
+        fit(TinyModule(), callbacks=[NormSwap()], ckpt_path=path)
     message = str(info.value)
     assert (f"\n  net.1: checkpoint [bias (8,), num_batches_tracked (), running_mean (8,), running_var (8,), "
             f"weight (8,)], this run {BN} [weight (4,)] (MRSNorm2d)\n") in message
     assert "no NormSwap record: it was trained without NormSwap" in message and "NormSwap.restore" not in message
 
 
-def test_restore_without_record_explains(tiny_fit, tmp_path):
-    trainer, _ = tiny_fit(callbacks=[NormSwap()], steps=1)
+def test_restore_without_record_explains(tmp_path):
+    trainer, _ = fit(callbacks=[NormSwap()], steps=1)
     trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
     with pytest.raises(ValueError, match="no NormSwap record"):
         NormSwap.restore(TinyModule(), tmp_path / "w.ckpt")
@@ -228,15 +213,15 @@ def _fused_net() -> nn.Sequential:
     )
 
 
-def test_timm_fused_norm_act_restores_exactly(tiny_fit, tmp_path):
+def test_timm_fused_norm_act_restores_exactly(tmp_path):
     pytest.importorskip("timm")
-    trainer, trained = tiny_fit(TinyModule(_fused_net), callbacks=[NormSwap()])
+    trainer, trained = fit(TinyModule(_fused_net), callbacks=[NormSwap()])
     path = _save(trainer, tmp_path / "fused.ckpt")
-    assert list(_record(path)["layers"]) == ["net.1.norm"]  # while a fresh model has the fused layer at net.1
+    assert list(normswap_record(path)["layers"]) == ["net.1.norm"]  # while a fresh model has the fused layer at net.1
     restored = NormSwap.restore(TinyModule(_fused_net), path)
     layer = restored.net[1]
     assert isinstance(layer, NormAct) and isinstance(layer.norm, MRSNorm2d) and isinstance(layer.act, nn.ReLU)
-    _assert_same_model(restored, path, trained)
+    assert_same_model(restored, path, trained, X)
 
 
 # ------------------------------------------------------- checkpoints of lightning-mrs 0.1
@@ -256,16 +241,16 @@ def test_version_1_checkpoints_restore(tmp_path, spatial):
     torch.save({"state_dict": trained.state_dict(), "callbacks": {"NormSwap": _v1_record(spatial)}}, path)
     restored = NormSwap.restore(TinyModule(), path)
     assert isinstance(restored.net[1], MRSNorm2d) and restored.net[1].spatial is (spatial == "auto")
-    _assert_same_model(restored, path, trained)
+    assert_same_model(restored, path, trained, X)
 
 
-def test_version_1_checkpoints_resume_with_their_options(tiny_fit, tmp_path):
-    trainer, _ = tiny_fit(callbacks=[NormSwap()])
+def test_version_1_checkpoints_resume_with_their_options(tmp_path):
+    trainer, _ = fit(callbacks=[NormSwap()])
     checkpoint = torch.load(_save(trainer, tmp_path / "v2.ckpt"), weights_only=False)
     checkpoint["callbacks"] = {"NormSwap": _v1_record("auto")}
     torch.save(checkpoint, tmp_path / "v1.ckpt")
-    resumed, _ = tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap()], ckpt_path=tmp_path / "v1.ckpt")
+    resumed, _ = fit(TinyModule(), steps=3, callbacks=[NormSwap()], ckpt_path=tmp_path / "v1.ckpt")
     assert resumed.global_step == 3
     with pytest.raises(MisconfigurationException, match=r"checkpoint NormSwap\(target='mrs', spatial='auto', "
                        r"eps=None\), this run NormSwap\(target='mrs', spatial=False\)"):
-        tiny_fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=False)], ckpt_path=tmp_path / "v1.ckpt")
+        fit(TinyModule(), steps=3, callbacks=[NormSwap(spatial=False)], ckpt_path=tmp_path / "v1.ckpt")

@@ -1,15 +1,17 @@
-"""Checks shared by the op tests: inputs, one backend forced, gradients, the comparison with
-the independent float64 reference (:mod:`helpers.reference`), a small model with every
-MRSNorm module, and saved-tensor bytes."""
+"""Checks shared by the op tests: the backends and layouts to test, inputs, one backend forced,
+gradients, the comparison with the independent float64 reference (:mod:`helpers.reference`), a
+small model with every MRSNorm module, and saved-tensor bytes."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import pytest
 import torch
 from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
+from lightning_mrs.ops import cpu_kernels
 from lightning_mrs.ops.function import fused_mrs_norm
 from lightning_mrs.ops.validation import check_inputs
 from helpers.reference import mrs_norm_ref
@@ -23,6 +25,32 @@ TOLS = {
 }
 #: The fused backends that run on the CPU (``triton`` needs CUDA or its interpreter).
 CPU_BACKENDS = ("torch", "inductor", "cpp")
+#: Whether the C++ kernels could be built here (the first import builds them, once per machine).
+CPP_BUILT = cpu_kernels.available()
+#: The mark of a test that needs the C++ kernels.
+needs_cpp = pytest.mark.skipif(not CPP_BUILT, reason=f"the C++ kernels could not be built: {cpu_kernels.build_error()}")
+#: name -> (shape, channel_dim, spatial, memory_format) of the backend tests; odd sizes on purpose
+LAYOUTS = {
+    "tokens": ((5, 7, 64), -1, False, None),
+    "tokens_per_sample": ((3, 7, 64), -1, True, None),
+    "nchw_per_position": ((3, 64, 5, 7), 1, False, None),
+    "nchw_per_sample": ((3, 64, 5, 7), 1, True, None),
+    "nhwc_per_position": ((3, 64, 5, 7), 1, False, torch.channels_last),
+    "nhwc_per_sample": ((3, 64, 5, 7), 1, True, torch.channels_last),
+    "middle_dim": ((3, 4, 64, 5), 2, False, None),
+    # shapes that stress the C++ loops: one phasor, a SIMD tail, a wide row, no positions
+    "one_phasor": ((9, 2), -1, False, None),
+    "odd_phasors": ((1, 3, 30), -1, False, None),
+    "wide_row": ((3, 4098), -1, False, None),
+    "ncl_per_sample": ((2, 10, 13), 1, True, None),
+    "ncdhw_per_sample": ((2, 6, 3, 1, 5), 1, True, None),
+    "nc_per_sample": ((4, 6), 1, True, None),
+}
+
+
+def cpu_backends() -> list[Any]:
+    """:data:`CPU_BACKENDS` as pytest parameters, ``cpp`` marked :data:`needs_cpp`."""
+    return [pytest.param(name, marks=needs_cpp if name == "cpp" else ()) for name in CPU_BACKENDS]
 
 Norm = Callable[[Tensor, Optional[Tensor]], Tensor]  # (x, weight) -> y
 Grads = tuple[Tensor, Tensor, Optional[Tensor]]  # (y, dx, dw)

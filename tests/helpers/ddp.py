@@ -1,6 +1,7 @@
 """Run a multi-process (gloo, CPU) Lightning job in a subprocess, isolated from pytest, and the
-pieces such a job uses: a sampler that splits each global batch over ranks in order, and a
-callback with which rank 0 dumps what it logged.
+pieces such a job uses: a sampler that splits each global batch over ranks in order, a
+callback with which rank 0 dumps what it logged, the fit that uses both (:func:`split_fit`),
+and the comparison of a job's history with one process's (:func:`assert_same_history`).
 
 A DDP test module doubles as the job: run as a script it trains (Lightning's ``ddp``
 launcher re-runs the same command line for the other ranks; ``ddp_spawn``/``ddp_fork``
@@ -15,16 +16,20 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import lightning.pytorch as pl
+import pytest
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, TensorDataset
 
 from helpers import ROOT
+from helpers.lightning import fit
 from helpers.recording_logger import RecordingLogger
 
-__all__ = ["DumpHistory", "RankStride", "free_port", "run_job"]
+__all__ = ["DumpHistory", "RankStride", "assert_same_history", "free_port", "read_history", "run_job", "split_fit"]
+
+History = dict[str, dict[int, float]]  # tag -> step -> value
 
 
 def free_port() -> int:
@@ -75,3 +80,32 @@ class RankStride(Sampler):
     def __len__(self) -> int:
         rank, world = self._split()
         return len(range(rank, self.n, world))
+
+
+def split_fit(module: pl.LightningModule, data: TensorDataset, *, global_batch: int, devices: int, strategy: str,
+              steps: int, callbacks: Iterable[pl.Callback], out: str = "") -> History:
+    """Fit ``module`` with each global batch of ``global_batch`` samples split over ``devices``
+    ranks in order (:class:`RankStride`); rank 0 writes its history to ``out`` when given.
+    Returns what this process logged."""
+    rec = RecordingLogger()
+    fit(module, steps=steps, logger=rec, data=data, sampler=RankStride(len(data)),
+        batch_size=global_batch // devices, devices=devices, strategy=strategy, use_distributed_sampler=False,
+        callbacks=[*callbacks, *([DumpHistory(out)] if out else [])])
+    return rec.history
+
+
+def read_history(path: Path) -> History:
+    """The history :class:`DumpHistory` wrote (JSON turns the steps into strings)."""
+    return {tag: {int(k): v for k, v in series.items()} for tag, series in json.loads(path.read_text()).items()}
+
+
+def assert_same_history(ddp: History, single: History, prefix: str, steps: int, rel: float, abs: float) -> set[str]:
+    """The tags under ``prefix`` are the same in both, logged at steps ``0 .. steps-1`` (as
+    ``train/loss``) by the job, with the single process's values; returns those tags."""
+    tags = {tag for tag in single if tag.startswith(prefix)}
+    assert {tag for tag in ddp if tag.startswith(prefix)} == tags
+    for tag in tags:
+        assert ddp[tag].keys() == ddp["train/loss"].keys() == set(range(steps)), tag
+        for step, value in single[tag].items():
+            assert ddp[tag][step] == pytest.approx(value, rel=rel, abs=abs), (tag, step)
+    return tags

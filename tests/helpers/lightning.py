@@ -1,11 +1,14 @@
 """The one tiny LightningModule, data and ``fit`` helper that every callback test uses.
 
-Exposed as fixtures by ``tests/conftest.py`` (``tiny_fit``, ``tiny_module``); importable
-directly where a module must live at import level (DDP scripts, spawned workers).
+Imported by the test modules (a DDP script or spawned worker needs them at import level
+too). Also the checks of a
+NormSwap checkpoint: its record (:func:`normswap_record`) and a model restored from it
+(:func:`assert_same_model`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import lightning.pytorch as pl
@@ -13,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-__all__ = ["ManualModule", "TinyModule", "conv_net", "fit", "image_data", "per_sample_net"]
+__all__ = ["ManualModule", "TinyModule", "assert_same_model", "conv_net", "fit", "image_data", "normswap_record",
+           "per_sample_net"]
 
 NetFactory = Callable[[], nn.Module]
 
@@ -145,3 +149,20 @@ def fit(
     loader = DataLoader(data if data is not None else image_data(), batch_size=batch_size, sampler=sampler)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer, module
+
+
+def normswap_record(path: Path) -> dict[str, Any]:
+    """The NormSwap callback's state in the checkpoint at ``path``."""
+    (state,) = [v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if k.startswith("NormSwap")]
+    return state
+
+
+def assert_same_model(restored: nn.Module, path: Path, trained: nn.Module, x: torch.Tensor) -> None:
+    """``restored`` holds exactly the weights of the checkpoint at ``path`` (same keys, same
+    order, equal tensors) and computes on ``x`` what ``trained`` does, to the bit."""
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    got = restored.state_dict()
+    assert list(got) == list(saved)
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
+    torch.testing.assert_close(restored.eval()(x), trained.eval()(x), atol=0, rtol=0)

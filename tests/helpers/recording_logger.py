@@ -24,6 +24,10 @@ class RecordingLogger(Logger):
     def version(self) -> int:
         return 0
 
+    def steps(self, prefix: str) -> dict[str, list[int]]:
+        """The steps each tag under ``prefix`` was logged at, ascending."""
+        return {tag: sorted(series) for tag, series in self.history.items() if tag.startswith(prefix)}
+
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         for key, value in metrics.items():

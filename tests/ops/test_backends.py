@@ -15,29 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mrs.ops import cpu_kernels
-from helpers.checks import check_against_reference, forced
-
-CPP_BUILT = cpu_kernels.available()
-needs_cpp = pytest.mark.skipif(not CPP_BUILT, reason=f"the C++ kernels could not be built: {cpu_kernels.build_error()}")
-
-# name -> (shape, channel_dim, spatial, memory_format); odd sizes on purpose
-LAYOUTS = {
-    "tokens": ((5, 7, 64), -1, False, None),
-    "tokens_per_sample": ((3, 7, 64), -1, True, None),
-    "nchw_per_position": ((3, 64, 5, 7), 1, False, None),
-    "nchw_per_sample": ((3, 64, 5, 7), 1, True, None),
-    "nhwc_per_position": ((3, 64, 5, 7), 1, False, torch.channels_last),
-    "nhwc_per_sample": ((3, 64, 5, 7), 1, True, torch.channels_last),
-    "middle_dim": ((3, 4, 64, 5), 2, False, None),
-    # shapes that stress the C++ loops: one phasor, a SIMD tail, a wide row, no positions
-    "one_phasor": ((9, 2), -1, False, None),
-    "odd_phasors": ((1, 3, 30), -1, False, None),
-    "wide_row": ((3, 4098), -1, False, None),
-    "ncl_per_sample": ((2, 10, 13), 1, True, None),
-    "ncdhw_per_sample": ((2, 6, 3, 1, 5), 1, True, None),
-    "nc_per_sample": ((4, 6), 1, True, None),
-}
+from helpers.checks import LAYOUTS, check_against_reference, forced, needs_cpp
 FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 CPP_LAYOUTS = [name for name, (_, dim, spatial, fmt) in LAYOUTS.items()
                if spatial or dim == -1 or fmt is torch.channels_last]  # channels contiguous, or per sample

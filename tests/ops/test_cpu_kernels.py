@@ -16,12 +16,10 @@ import torch
 
 from lightning_mrs import mrs_norm
 from lightning_mrs.ops import cpu_kernels, dispatch, which_backend
-from helpers.checks import forced, grads, make_inputs
+from helpers.checks import forced, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"the C++ kernels could not be built: {cpu_kernels.build_error()}"
-)
+pytestmark = needs_cpp
 
 
 @pytest.fixture

@@ -11,19 +11,12 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from lightning_mrs import mrs_norm
-from lightning_mrs.ops import cpu_kernels
-from helpers.checks import forced, make_inputs, norm_model, saved_bytes
+from helpers.checks import LAYOUTS as ALL_LAYOUTS, cpu_backends, forced, make_inputs, norm_model, saved_bytes
 from helpers.reference import mrs_norm_ref
 
-BACKENDS = [pytest.param(name, marks=pytest.mark.skipif(name == "cpp" and not cpu_kernels.available(),
-                                                        reason="the C++ kernels could not be built"))
-            for name in ("torch", "inductor", "cpp")]
-# name -> (shape, channel_dim, spatial, memory_format); the cpp backend covers all three
-LAYOUTS = {
-    "tokens": ((5, 7, 64), -1, False, None),
-    "nchw_per_sample": ((3, 64, 5, 7), 1, True, None),
-    "nhwc_per_position": ((3, 64, 5, 7), 1, False, torch.channels_last),
-}
+BACKENDS = cpu_backends()
+# three layouts, one per kernel shape; the cpp backend covers all three
+LAYOUTS = {name: ALL_LAYOUTS[name] for name in ("tokens", "nchw_per_sample", "nhwc_per_position")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

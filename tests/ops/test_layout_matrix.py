@@ -23,12 +23,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from lightning_mrs import MRSNorm, MRSNorm2d
-from lightning_mrs.ops import cpu_kernels, inductor_kernels
+from lightning_mrs.ops import inductor_kernels
 from lightning_mrs.ops.layout import Canonical, canonical_of
-from helpers.checks import Grads, assert_matches_reference, forced, grads, is_dense
+from helpers.checks import CPP_BUILT, Grads, assert_matches_reference, forced, grads, is_dense
 
 CHANNELS = 10  # 5 phasors
-CPP_BUILT = cpu_kernels.available()
 
 # name -> (channel_dim, spatial, module class or None)
 ENTRIES: dict[str, tuple[int, bool, Optional[type[nn.Module]]]] = {

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lightning_mrs import MRSNorm, mrs_norm
-from lightning_mrs.ops import cpu_kernels, function
-from helpers.checks import assert_matches_reference, forced, grads, make_inputs
+from lightning_mrs.ops import function
+from helpers.checks import CPP_BUILT, assert_matches_reference, forced, grads, make_inputs
 from helpers.reference import mrs_norm_ref
 
 BACKENDS = ("auto", "eager", "torch", "inductor", "cpp")
@@ -84,7 +84,7 @@ def test_weights_are_checked_before_any_kernel(weight: str, backend: str, monkey
 
 
 # --- mixed floating dtypes are fine ---------------------------------------------------------
-MIXED_BACKENDS = ["auto", "eager", "torch"] + (["cpp"] if cpu_kernels.available() else [])
+MIXED_BACKENDS = ["auto", "eager", "torch"] + (["cpp"] if CPP_BUILT else [])
 
 
 @pytest.mark.parametrize("backend", MIXED_BACKENDS)

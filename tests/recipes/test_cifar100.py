@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -14,9 +12,11 @@ import torch
 from torch import nn
 
 from helpers import ROOT
-SCRIPT = ROOT / "recipes" / "cifar100.py"
+from helpers.scripts import run_script
 from recipes.cifar100 import CifarClassifier, build_model, default_precision
 from recipes.errors import UsageError
+
+SCRIPT = ROOT / "recipes" / "cifar100.py"
 
 # Small and fast on the CPU; the real default is resnet18.
 FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "synthetic",
@@ -24,10 +24,7 @@ FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--d
         "--trainer.enable_progress_bar", "false"]
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+_run = partial(run_script, SCRIPT, timeout=300)
 
 
 def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -132,9 +129,7 @@ SCRIPT_MISTAKES = [
 @pytest.mark.parametrize("args,needles", SCRIPT_MISTAKES, ids=["arch", "parser", "folder"])
 def test_mistakes_through_the_script(args: list[str], needles: list[str], tmp_path: Path,
                                      error_line: Callable[[int, str], str]) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--trainer.default_root_dir", str(tmp_path), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # Python's warnings stay on
+    proc = run_script(SCRIPT, ["--trainer.default_root_dir", str(tmp_path), *args], timeout=300, warnings=True)
     line = error_line(proc.returncode, proc.stdout + proc.stderr)
     for needle in needles:
         assert needle in line

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from helpers import ROOT
+from helpers.scripts import results_rows, run_script
 from recipes import stress, stress_report
 from recipes.stress_args import DATASET_DEFAULTS, GRID as DEFAULT_GRID
 
@@ -23,15 +23,7 @@ GRID = ["--dataset", "digits", "--norms", "layer", "mrs", "--lrs", "0.1", "--bat
         "--max-steps", "3", "--log-every", "1", "--mrs-backend", "eager", "--accelerator", "cpu"]
 
 
-def _run(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "results.csv", newline="") as f:
-        return list(csv.DictReader(f))
+_run = partial(run_script, SCRIPT, timeout=400)
 
 
 def test_sweep_then_resume(tmp_path: Path) -> None:
@@ -40,7 +32,7 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 to run (1 at a time)" in proc.stdout
 
-    rows = _rows(out)
+    rows = results_rows(out)
     assert [(r["norm"], r["lr"], r["batch_size"], r["seed"]) for r in rows] == [
         ("layer", "0.1", "16", "0"), ("mrs", "0.1", "16", "0")]
     for r in rows:
@@ -67,7 +59,7 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     proc = _run([*GRID, "--seeds", "0", "1", "--jobs", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 cells in the grid, 1 of this shard already done, 3 to run (2 at a time)" in proc.stdout
-    rows = _rows(out)
+    rows = results_rows(out)
     keys = [(r["norm"], r["seed"]) for r in rows]
     assert sorted(keys) == [("layer", "0"), ("layer", "1"), ("mrs", "0"), ("mrs", "1")]
 
@@ -140,7 +132,7 @@ def test_table_aggregates_seeds_and_marks_divergence(tmp_path: Path) -> None:
     assert f"| 0.4 | 32 | mrs | 2 | 60.00 ± {math.sqrt(200):.2f} |" in md
     assert f"| 0.4 | 32 | rms | 2 | 20.00 ± {math.sqrt(200):.2f} |" in md
     assert "**DIVERGED 1/2 @ 7**" in md
-    assert len(_rows(tmp_path)) == 4
+    assert len(results_rows(tmp_path)) == 4
     assert (tmp_path / "results.png").exists()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 import statistics
 from pathlib import Path
@@ -10,6 +9,8 @@ from typing import Any, Callable
 
 import pytest
 
+from helpers import ROOT
+from helpers.scripts import results_rows, run_script
 from recipes import stress, stress_claims as sc
 from recipes.stress_args import parse_args
 from recipes.stress_claims_qk import HIGH_LR_MIN, claims
@@ -17,7 +18,6 @@ from recipes.stress_figure import qk_figure
 from recipes.stress_rows import read_csv
 from recipes.stress_summary import robustness
 from recipes.stress_sweeps import QK
-from test_stress import _run  # the script through its real command line (test basenames are unique)
 
 TINY = ["--sweep", "qk", "--dataset", "digits", "--qk-norms", "none", "mrs", "--lrs", "0.03", "--batch-sizes", "16",
         "--max-steps", "3", "--log-every", "1", "--seeds", "0", "--jobs", "1", "--mrs-backend", "eager"]
@@ -25,11 +25,10 @@ TINY = ["--sweep", "qk", "--dataset", "digits", "--qk-norms", "none", "mrs", "--
 
 def test_tiny_qk_sweep_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "qk"
-    proc = _run([*TINY, "--out", str(out)])
+    proc = run_script(ROOT / "recipes" / "stress.py", [*TINY, "--out", str(out)], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 to run (1 at a time)" in proc.stdout and "max attention logit" in proc.stdout
-    with open(out / "results.csv", newline="") as f:
-        raw = list(csv.DictReader(f))
+    raw = results_rows(out)
     assert [(r["qk_norm"], r["lr"], r["batch_size"], r["seed"]) for r in raw] == [
         ("none", "0.03", "16", "0"), ("mrs", "0.03", "16", "0")]
     tokens = (QK.datasets["digits"]["image_size"] // QK.datasets["digits"]["arch_kwargs"]["patch_size"]) ** 2 + 1

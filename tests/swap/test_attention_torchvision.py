@@ -18,6 +18,7 @@ from lightning_mrs import MRSNorm, expose_attention, iter_attention_layers, swap
 
 torchvision = pytest.importorskip("torchvision")
 from torchvision.models import maxvit, swin_transformer as swin  # noqa: E402
+from helpers.models import tv_maxvit, tv_swin, tv_vit  # noqa: E402
 
 from lightning_mrs.swap.attention_torchvision import (  # noqa: E402
     QKMultiheadAttention,
@@ -139,12 +140,10 @@ def test_maxvit_attention_matches_torchvision():
 
 def _tv_models():
     return {
-        "vit": (lambda: torchvision.models.VisionTransformer(32, 8, 1, 2, 16, 32, num_classes=3), 1),
-        "swin": (lambda: swin.SwinTransformer([4, 4], 16, [1, 1], [2, 2], [4, 4], num_classes=3), 2),
-        "swin_v2": (lambda: swin.SwinTransformer([4, 4], 16, [1, 1], [2, 2], [4, 4], num_classes=3,
-                                                 block=swin.SwinTransformerBlockV2,
-                                                 downsample_layer=swin.PatchMergingV2), 2),
-        "maxvit": (lambda: maxvit.MaxVit((32, 32), 8, 2, [16], [1], 8, 0.0, num_classes=3), 2),
+        "vit": (tv_vit, 1),
+        "swin": (tv_swin, 2),
+        "swin_v2": (lambda: tv_swin(v2=True), 2),
+        "maxvit": (tv_maxvit, 2),
     }
 
 

@@ -21,9 +21,12 @@ def _net() -> nn.Sequential:
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer']"),
-        (dict(target=None, qk_norm=True), "qk_norm=True asks for QK-norms of the target's kind, but target=None"),
-        (dict(qk_norm="batch"), "qk_norm='batch' is not valid; choose one of [None, True, False, 'mrs', 'rms', 'layer']"),
+        (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer'], or None to keep "
+                               "the body's norms."),
+        (dict(target=None, qk_norm=True), "qk_norm=True asks for QK-norms of the target's kind, but target=None; name "
+                                          "the kind instead, e.g. qk_norm='mrs'"),
+        *[(dict(qk_norm=qk), f"qk_norm={qk!r} is not valid; choose one of [None, True, False, 'mrs', 'rms', 'layer']")
+          for qk in ("batch", "MRS", 1)],
         (dict(spatial="yes"), "spatial='yes' is not valid; choose one of ['auto', True, False]"),
         (dict(spatial=1), "spatial=1 is not valid; choose one of ['auto', True, False]"),
         (dict(init="zeros"), "init='zeros' is not valid; choose one of ['inherit', 'ones']"),
@@ -38,6 +41,11 @@ def test_bad_values_raise_listing_the_valid_ones(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         swap_norms(model, **kwargs)
     assert isinstance(model[1], nn.BatchNorm2d)  # untouched
+
+
+def test_qk_kind_is_the_kind_of_qk_norm_added():
+    cases = [("rms", True), ("rms", "layer"), ("mrs", None), ("mrs", False), (None, "mrs")]
+    assert [SwapOptions(t, qk_norm=q).qk_kind for t, q in cases] == ["rms", "layer", None, None, "mrs"]
 
 
 def test_unknown_options_raise_listing_the_valid_ones():
