@@ -117,6 +117,7 @@ def test_the_registry_is_one_line_per_kind() -> None:
     assert len(set(prefixes)) == len(prefixes)  # cells of different kinds never share an id
 
 
+@pytest.mark.slow  # two spawned workers importing torch and Lightning: ~20-40 s
 def test_cells_running_beside_a_failing_one_are_kept(tmp_path: Path) -> None:
     """--jobs 2: one cell fails at once in its worker, the other goes on, finishes and is kept."""
     failing = dataclasses.replace(SCHEDULE, arms=("boom", "cosine"))

@@ -74,7 +74,7 @@ def _first_cell_then_ctrl_c(out: Path, jobs: str) -> subprocess.CompletedProcess
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.parametrize("jobs", ["1", "2"])
+@pytest.mark.parametrize("jobs", ["1", pytest.param("2", marks=pytest.mark.slow)])  # 2: two spawned workers, ~30 s
 def test_ctrl_c_keeps_the_finished_cells_whatever_the_jobs(tmp_path: Path, jobs: str) -> None:
     out = tmp_path / "sweep"
     proc = _first_cell_then_ctrl_c(out, jobs)
