@@ -4,6 +4,7 @@ A monitor's capture (``Capture`` of ``GradientHomogeneityMonitor``, ``AttentionC
 ``AttentionMonitor``, ``OutlierCapture`` of ``OutlierMonitor``) collects named tensors on the
 device during a logging step. :func:`apply_flat` runs one operation on all of them at once
 (the step's collective, its device-to-host copy) and hands them back by name;
+:func:`reduce_over_ranks` is that collective, a sum or a maximum over ranks;
 :func:`sums_dtype` is the dtype they accumulate in; a hook reports a problem through a
 :data:`Warn` (:func:`no_warning` drops it).
 
@@ -16,12 +17,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Hashable, Mapping, Optional, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["Warn", "apply_flat", "no_warning", "sums_dtype"]
+__all__ = ["Warn", "apply_flat", "no_warning", "reduce_over_ranks", "sums_dtype"]
 
 Warn = Callable[[str, str], None]  # (once-key, message)
 K = TypeVar("K", bound=Hashable)
@@ -63,3 +64,15 @@ def no_warning(key: str, message: str) -> None:
 def sums_dtype(device: torch.device) -> torch.dtype:
     """The dtype a capture accumulates its sums in on ``device``."""
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def reduce_over_ranks(strategy: Any, flat: Tensor, op: str) -> Tensor:
+    """``op`` (``"sum"`` or ``"max"``) over ranks through ``strategy.reduce``; a strategy that
+    only sums (XLA) gives the maximum through one ``all_gather`` instead."""
+    if op == "sum":
+        return strategy.reduce(flat, reduce_op="sum")
+    try:
+        return strategy.reduce(flat, reduce_op=torch.distributed.ReduceOp.MAX if torch.distributed.is_available()
+                               else "max")
+    except ValueError:
+        return strategy.all_gather(flat).reshape(-1, flat.numel()).amax(dim=0)  # (world, n) -> (n,)
