@@ -16,10 +16,11 @@ from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm2d
 
-__all__ = ["HFStyleRMSNorm", "PLANTED", "TokenHead", "all_figure", "outlier_ref", "planted_net", "planted_reference"]
+__all__ = ["CONV_PLANTED", "HFStyleRMSNorm", "PLANTED", "TokenHead", "all_figure", "outlier_ref", "planted_net", "planted_reference"]
 
 CAP = 1e12  # the ratio cap the monitor documents (lightning_mrs.stats.RATIO_CAP)
-PLANTED = 40.0  # the factor of the planted channels' weights
+PLANTED = 40.0  # the factor of the planted token channel's weights
+CONV_PLANTED = 250.0  # and of the planted conv channel's: some of its outputs pass 256
 
 
 def outlier_ref(x: Tensor, channel_dim: int = -1) -> dict[str, float]:
@@ -86,7 +87,7 @@ def planted_net(batchnorm: bool = False) -> nn.Sequential:
     Without BatchNorm every figure is per sample: a batch split (accumulation, DDP) keeps them."""
     conv = nn.Conv2d(3, 8, 3, padding=1)
     with torch.no_grad():
-        conv.weight[5] *= PLANTED
+        conv.weight[5] *= CONV_PLANTED
     first = [nn.BatchNorm2d(8)] if batchnorm else []
     return nn.Sequential(conv, *first, nn.GroupNorm(2, 8), nn.GELU(), MRSNorm2d(8), TokenHead())
 
