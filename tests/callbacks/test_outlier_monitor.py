@@ -171,28 +171,42 @@ def test_hooks_only_in_the_training_forward_of_logging_steps() -> None:
     assert sorted(plain["outlier/all/absmax"]) == [1, 3]
 
 
-def test_bf16_mixed_figures_are_those_of_the_bf16_inputs(recording_logger: RecordingLogger) -> None:
-    """Under autocast the conv/linear outputs enter the norms in bf16: the figures are those of
-    these bf16 values in float64, not of bf16 arithmetic."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_precision_figures_are_those_of_the_half_inputs(recording_logger: RecordingLogger,
+                                                               dtype: torch.dtype) -> None:
+    """Under autocast the conv/linear outputs enter the norms in bf16 (``bf16-mixed``) or fp16 (true
+    fp16 autocast with a GradScaler, as the CPU allows it): the figures are those of these half
+    values in float64, not of half arithmetic."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    kw: dict[str, Any] = {"precision": "bf16-mixed"} if dtype == torch.bfloat16 else {
+        "plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     fit(TinyModule(planted_net), steps=1, logger=recording_logger, data=image_data(BATCH), batch_size=BATCH,
-        precision="bf16-mixed", callbacks=[OutlierMonitor()])
+        callbacks=[OutlierMonitor()], **kw)
     torch.manual_seed(0)
     net = planted_net()
     dtypes = []
     net[1].register_forward_pre_hook(lambda m, args: dtypes.append(args[0].dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         ref = planted_reference(net, image_data(BATCH)[:BATCH][0], NORMS)
-    assert dtypes == [torch.bfloat16]
+    assert dtypes == [dtype]
     got = outlier_tags(recording_logger)
     for layer, row in ref.items():
         for figure, value in row.items():
             assert got[f"outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
+    assert got["outlier/net.1/fp16_overflow_frac"][0] > 0
 
 
 def test_figures_and_per_layer_select_what_is_logged(recording_logger: RecordingLogger) -> None:
     fit(TinyModule(planted_net), steps=1, logger=recording_logger,
         callbacks=[OutlierMonitor(figures=["mrs_share", "absmax"], per_layer=False)])
     assert outlier_tags(recording_logger).keys() == {"outlier/all/absmax", "outlier/all/mrs_share"}
+
+
+def test_include_selects_layers(recording_logger: RecordingLogger) -> None:
+    fit(TinyModule(planted_net), steps=1, logger=recording_logger, callbacks=[OutlierMonitor(include=r"norm$")])
+    layers = {tag.split("/")[1] for tag in outlier_tags(recording_logger)}
+    assert layers == {"net.4.norm", "net.4.odd_norm", "all"}
 
 
 class WeirdNorm(nn.Module):
