@@ -164,7 +164,7 @@ class TextDataModule(pl.LightningDataModule):
         if min(train.nbytes, val.nbytes) < need:
             raise UsageError(
                 f"--data.seq_len {self.seq_len} needs at least {need} bytes in each split, but "
-                f"{os.path.relpath(self.root) if self.dataset == 'text' else 'the text'} ({len(files)} files, "
+                f"{self.root if self.dataset == 'text' else 'the text'} ({len(files)} file{'s' * (len(files) > 1)}, "
                 f"{train.nbytes + val.nbytes} bytes) gives training {train.nbytes} and validation {val.nbytes} "
                 "bytes: add text, lower --data.seq_len or change --data.val_fraction."
             )
