@@ -10,8 +10,8 @@ Run from the repository root (no subcommand: the script fits, validating every
         --data.dataset text --data.path my_corpus/
     # MRS QK-norms, true fp16 mixed precision (with a loss scaler, also on the CPU), 4 GPUs (DDP)
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
-    # FSDP2 (torch's fully_shard per decoder layer)
-    python recipes/lm.py --trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy --trainer.devices 4
+    # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
+    python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
     python recipes/lm.py --help
 
 The model (:mod:`recipes.causal_lm`) is any transformers causal LM (``--model.arch``: a
@@ -64,6 +64,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -75,9 +76,10 @@ from recipes.cifar100 import OneLineParser, ValidateAtEnd, default_precision
 from recipes.errors import UsageError, report
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
+from recipes.text_corpus import unigram_entropy
 from recipes.text_data import TextDataModule
 
-__all__ = ["ByteLM", "LMCLI", "TextDataModule", "build_cli", "cpu_fp16", "main", "run"]
+__all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "cpu_fp16", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "none")
 QK_NORMS = ("none", "mrs", "rms", "layer")
@@ -167,6 +169,7 @@ class ByteLM(pl.LightningModule):
         self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder Linear put out
         self.last_sample: Optional[str] = None
         self._last_batch_end: Optional[float] = None
+        self._fit_start = time.perf_counter()
         self._sharded = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -200,7 +203,11 @@ class ByteLM(pl.LightningModule):
             rank_zero_info(str(self.swap_report))
         params = sum(p.numel() for p in self.model.parameters())
         rank_zero_info(f"model: {type(self.model).__name__} ({self.hparams.arch}), {params / 1e6:.2f} M parameters")
+        self._fit_start = time.perf_counter()
         dm = getattr(self.trainer, "datamodule", None)
+        if getattr(dm, "val_split", None) is not None:  # the bpb of a model that ignores the context
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"data/val_unigram_bpb": unigram_entropy(dm.val_split.data)}, step=0)
         per_device = getattr(dm, "batch_size", None)
         if per_device is not None:
             world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
@@ -214,6 +221,15 @@ class ByteLM(pl.LightningModule):
                 handle.remove()
 
             handle = first.register_forward_hook(record)
+
+    @override
+    def on_fit_end(self) -> None:
+        bpb = self.trainer.callback_metrics.get("val/bpb")
+        dm = getattr(self.trainer, "datamodule", None)
+        unigram = (f" (unigram entropy of the validation bytes {unigram_entropy(dm.val_split.data):.2f})"
+                   if getattr(dm, "val_split", None) is not None else "")
+        rank_zero_info(f"fit: {self.trainer.global_step} steps in {time.perf_counter() - self._fit_start:.0f} s; "
+                       f"val/bpb {float(bpb) if bpb is not None else float('nan'):.3f}{unigram}")
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -294,6 +310,21 @@ def cpu_fp16(precision: Any, accelerator: Any) -> bool:
     return "cpu" in name or (name == "auto" and not torch.cuda.is_available())
 
 
+class FSDP2Strategy(ModelParallelStrategy):
+    """``--trainer.strategy fsdp2``: ModelParallelStrategy sharding over every process, no tensor parallelism.
+
+    ModelParallelStrategy's ``"auto"`` sizes make every device of a node tensor-parallel; the
+    recipe's :meth:`ByteLM.configure_model` shards data-parallel only (``fully_shard`` per decoder
+    layer, then the whole model), so its data-parallel group is all the processes.
+    """
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+
 class LMCLI(LightningCLI):
     """LightningCLI with the LM recipe's checkpointing, precision and data checks (one-line errors)."""
 
@@ -332,6 +363,9 @@ class LMCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
+        strategy = self._get(self.config_init, "trainer", default={}).get("strategy")
+        if strategy == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
+            kwargs["strategy"] = FSDP2Strategy()
         if self.fp16_on_cpu:
             given = self._get(self.config_init, "trainer", default={}).get("plugins") or []
             given = given if isinstance(given, list) else [given]
