@@ -192,17 +192,21 @@ class ByteLM(pl.LightningModule):
             raise UsageError("ModelParallelStrategy: the LM recipe shards data-parallel only (FSDP2); give it "
                              "tensor_parallel_size=1.")
         dp = mesh["data_parallel"]
-        for layer in decoder_layers(self.model):  # one all-gather per block, as transformers' FSDP wrap does
+        layers = decoder_layers(self.model)
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in layers})) or "no decoder layer found"
+        for layer in layers:  # one all-gather per block, as transformers' own FSDP wrapping does
             fully_shard(layer, mesh=dp)
         fully_shard(self.model, mesh=dp)
         self._sharded = True
+        rank_zero_info(f"FSDP2: fully_shard on {len(layers)} decoder layers ({kinds}) and the whole model, "
+                       f"over {dp.size()} processes")
 
     @override
     def on_fit_start(self) -> None:
         if self.swap_report is not None:
             rank_zero_info(str(self.swap_report))
         params = sum(p.numel() for p in self.model.parameters())
-        rank_zero_info(f"model: {type(self.model).__name__} ({self.hparams.arch}), {params / 1e6:.2f} M parameters")
+        rank_zero_info(f"model: {self.hparams.arch} ({type(self.model).__name__}), {params / 1e6:.2f} M parameters")
         self._fit_start = time.perf_counter()
         dm = getattr(self.trainer, "datamodule", None)
         if getattr(dm, "val_split", None) is not None:  # the bpb of a model that ignores the context

@@ -175,3 +175,24 @@ def test_a_swap_that_converts_nothing_is_an_error() -> None:
         check_swap(model, "toy", "none", "rms", swap_norms(model, None, qk_norm="rms"))
     ok = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     check_swap(ok, "toy", "rms", "none", swap_norms(ok, "rms"))  # converted one: fine
+
+
+def _multi_process(tmp_path: Path, strategy: str) -> str:
+    proc = run_script(SCRIPT, [*TINY, *OWN_NORMS, "--trainer.devices", "2", "--trainer.strategy", strategy,
+                               "--trainer.default_root_dir", str(tmp_path)], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "global batch 8 windows of 32 bytes = 4 per device x 2 processes" in out
+    assert "fit: 3 steps in" in out
+    return out
+
+
+def test_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
+    out = _multi_process(tmp_path, "fsdp2")
+    assert "FSDP2: fully_shard on 2 decoder layers (LlamaDecoderLayer) and the whole model, over 2 processes" in out
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_dir()  # a sharded checkpoint
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
+    _multi_process(tmp_path, "ddp")

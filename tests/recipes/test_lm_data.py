@@ -180,3 +180,19 @@ def test_bad_options(kwargs: dict, expected: str) -> None:
     with pytest.raises(UsageError) as err:
         TextDataModule(**kwargs)
     assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_training_windows_differ_by_rank_and_start_step() -> None:
+    from types import SimpleNamespace
+
+    dm = TextDataModule(seq_len=16, batch_size=4, val_windows=4, num_workers=0)
+
+    def first(rank: int, step: int) -> torch.Tensor:
+        dm.trainer = SimpleNamespace(global_rank=rank, global_step=step)
+        torch.manual_seed(0)
+        return next(iter(dm.train_dataloader()))
+
+    base = first(0, 0)
+    assert torch.equal(base, first(0, 0))
+    assert not torch.equal(base, first(1, 0))  # each DDP process its own windows
+    assert not torch.equal(base, first(0, 100))  # a resumed run does not replay the first windows
