@@ -269,6 +269,10 @@ class ByteLM(pl.LightningModule):
         self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
 
     @override
+    def on_validation_end(self) -> None:
+        self._last_batch_end = None  # the next step's clock starts with it, not with the validation
+
+    @override
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking or not self.hparams.sample_bytes:
             return
