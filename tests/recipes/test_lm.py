@@ -87,6 +87,37 @@ def test_fit_in_each_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert len(model.last_sample.encode("utf-8", errors="surrogateescape")) >= 1
 
 
+def _val_bpb(trainer) -> list[float]:
+    return [e.value for e in _events(Path(trainer.log_dir)).Scalars("val/bpb")]
+
+
+def test_it_learns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 steps of the tiny model on the standard library: below the bytes' unigram entropy (4.6 bits;
+    an untrained model: about 8), so it uses the context."""
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
+                   "--model.lr", "0.01", "--data.batch_size", "8", "--trainer.default_root_dir", str(tmp_path)],
+                  monkeypatch)
+    from recipes.text_corpus import unigram_entropy
+
+    unigram = unigram_entropy(cli.datamodule.val_split.data)
+    first, last = _val_bpb(cli.trainer)
+    assert last < first and last < unigram - 0.2, (first, last, unigram)
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2}),  # GPT-2's own field names
+    ("qwen3", {**TINY_CONFIG}),  # has QK-norms of its own
+    ("gpt_neox", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}),
+])
+def test_other_architectures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, config: dict) -> None:
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--model.arch", arch, "--model.config", json.dumps(config),
+                   "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
+    hf = cli.model.model
+    assert hf.config.model_type == arch and hf.config.vocab_size == 256 and hf.config.hidden_size == 32
+    assert hf.config.num_hidden_layers == 2 and cli.trainer.global_step == 3
+    assert all(math.isfinite(v) for v in _val_bpb(cli.trainer))
+
+
 def test_optimizer_groups_schedule_and_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cli, _ = _fit([*TINY, *OWN_NORMS, "--model.lr", "0.01", "--model.warmup_frac", "0.34",
                    "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
