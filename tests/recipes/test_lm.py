@@ -227,3 +227,19 @@ def test_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     _multi_process(tmp_path, "ddp")
+
+
+@pytest.mark.parametrize("kind", ["mrs", "rms"])
+def test_qk_norm_on_llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    pytest.importorskip("lightning_mrs.swap.attention_hf", reason="QK-norms on transformers attention not merged")
+    from lightning_mrs import MRSNorm
+
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--model.qk_norm", kind, "--trainer.default_root_dir", str(tmp_path)],
+                  monkeypatch)
+    report = cli.model.swap_report
+    expected = MRSNorm if kind == "mrs" else nn.RMSNorm
+    assert sorted(report.qk_added) == sorted(f"model.layers.{i}.self_attn.{q}" for i in range(2)
+                                             for q in ("q_norm", "k_norm")), report.qk_added
+    modules = dict(cli.model.model.named_modules())
+    assert all(isinstance(modules[name], expected) for name in report.qk_added)
+    assert cli.trainer.global_step == 3
