@@ -243,3 +243,28 @@ def test_qk_norm_on_llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind:
     modules = dict(cli.model.model.named_modules())
     assert all(isinstance(modules[name], expected) for name in report.qk_added)
     assert cli.trainer.global_step == 3
+
+
+@pytest.mark.parametrize("norm", ["mrs", "rms", "layer"])
+def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, norm: str) -> None:
+    from lightning_mrs import MRSNorm
+
+    expected = {"mrs": MRSNorm, "rms": nn.RMSNorm, "layer": nn.LayerNorm}[norm]
+    cli, _ = _fit([*TINY, "--model.norm", norm, "--trainer.precision", "16-mixed",
+                   "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
+    hf = cli.model.model
+    names = [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+    names.append("model.norm")  # 2 per decoder layer and the final one
+    modules = dict(hf.named_modules())
+    assert all(isinstance(modules[n], expected) for n in names), {n: type(modules[n]).__name__ for n in names}
+    assert not [n for n, m in modules.items() if type(m).__name__ == "LlamaRMSNorm"]
+    assert sorted(cli.model.swap_report.converted + cli.model.swap_report.unchanged) == sorted(names)
+    assert cli.model.activation_dtype == torch.float16 and cli.trainer.global_step == 3
+    assert all(math.isfinite(v) for v in _val_bpb(cli.trainer))
+    # load_from_checkpoint rebuilds the swapped model from the hyperparameters
+    from recipes.lm import ByteLM
+
+    again = ByteLM.load_from_checkpoint(cli.trainer.checkpoint_callback.last_model_path, map_location="cpu")
+    assert isinstance(dict(again.model.named_modules())["model.norm"], expected)
+    for name, tensor in again.state_dict().items():
+        torch.testing.assert_close(tensor, cli.model.state_dict()[name], atol=0, rtol=0)
