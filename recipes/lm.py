@@ -53,6 +53,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any, Literal, Optional
 
@@ -161,8 +162,12 @@ class ByteLM(pl.LightningModule):
         self.swap_report = None
         if norm != "none" or qk_norm != "none":
             options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
-            self.swap_report = swap_norms(self.model, options)
+            with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
+                warnings.simplefilter("always")
+                self.swap_report = swap_norms(self.model, options)
             check_swap(self.model, arch, norm, qk_norm, self.swap_report)
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         for module in self.model.modules():
             if isinstance(module, MRSNorm):
                 module.backend = mrs_backend

@@ -37,7 +37,7 @@ def check_swap(model: nn.Module, arch: str, norm: str, qk_norm: str, report: Swa
 
     if norm != "none" and not [n for n in report.converted + report.unchanged if not is_qk(n)]:
         found = ", ".join(f"{name} x{count}" for name, count in sorted(norm_like(model).items())) or "none found"
-        why = next(iter(report.skipped.values()), "no norm layer it knows")
+        why = next(iter(report.skipped.values()), None) or next(iter(report.notes), "no norm layer it knows")
         raise UsageError(f"--model.norm {norm}: swap_norms converted none of the {arch} model's norm layers "
                          f"({found}; {why}); use --model.norm none to train the model's own norms.")
     if qk_norm == "none":

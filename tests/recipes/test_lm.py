@@ -268,3 +268,16 @@ def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.
     assert isinstance(dict(again.model.named_modules())["model.norm"], expected)
     for name, tensor in again.state_dict().items():
         torch.testing.assert_close(tensor, cli.model.state_dict()[name], atol=0, rtol=0)
+
+
+def test_a_swap_that_converts_nothing_is_one_line(lm_error: Callable[[list[str]], str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import recipes.lm
+
+    def odd_model(*args, **kwargs) -> nn.Module:
+        return nn.Sequential(nn.Embedding(256, 8), _OddNorm(), nn.Linear(8, 256))
+
+    monkeypatch.setattr(recipes.lm, "build_causal_lm", odd_model)
+    line = lm_error([*TINY, "--model.norm", "rms"])  # the swap's own "converted none" warning is not printed
+    assert line.startswith("error: --model.norm rms: swap_norms converted none of the llama model's norm layers "
+                           "(_OddNorm x1; "), line
