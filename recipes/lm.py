@@ -73,7 +73,8 @@ from typing_extensions import override
 from lightning_mrs import MRSNorm, SwapOptions, swap_norms
 from lightning_mrs.ops import BACKENDS
 from recipes.causal_lm import build_causal_lm, decoder_layers, require_transformers
-from recipes.cifar100 import OneLineParser, ValidateAtEnd, default_precision
+from recipes.cifar100 import OneLineParser
+from recipes.classifier import ValidateAtEnd, default_precision
 from recipes.errors import UsageError, report
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
