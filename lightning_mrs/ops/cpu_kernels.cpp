@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -113,6 +114,39 @@ class DwBuffers {
   std::vector<float> acc_;
 };
 
+// A row of T as float32: the row itself for float, else converted into buf by a contiguous
+// loop (which vectorises for every T); the pair loops of the row kernels then read float32
+// alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
+template <typename T>
+inline const float* row_f32(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) buf[j] = ld(src[j]);
+    return buf;
+  }
+}
+// Where a row kernel writes its float32 result: the output row itself for float, else buf.
+template <typename T>
+inline float* out_f32(T* dst, float* buf) {
+  if constexpr (std::is_same_v<T, float>) return dst;
+  else return buf;
+}
+// The result of out_f32 stored into the output row (nothing to do for float).
+template <typename T>
+inline void flush(const float* buf, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) st(dst + j, buf[j]);
+  }
+}
+// Per-thread float32 rows for the conversions (empty for float).
+template <typename T>
+inline std::vector<float> scratch(int64_t n) {
+  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
+}
+
 // ---- channels contiguous: G groups of L rows of C, one S per group ----------------------
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
 // innermost loops carry no branch (w = 1 without a weight, which is exact).
@@ -121,29 +155,36 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
               float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int64_t a = 0; a < G; ++a) {
-    float s = 0.f;  // row by row: short float sums, then their total
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      float sr = 0.f;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    std::vector<float> xb = scratch<T>(C), yb = scratch<T>(C);
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < G; ++a) {
+      float s = 0.f;  // row by row: short float sums, then their total
+      for (int64_t l = 0; l < L; ++l) {
+        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), C);
+        float sr = 0.f;
 #pragma omp simd reduction(+ : sr)
-      for (int64_t p = 0; p < P; ++p) {
-        const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-        sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+        for (int64_t p = 0; p < P; ++p) {
+          const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
+          sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+        }
+        s += sr;
       }
-      s += sr;
-    }
-    if (rsum) rsum[a] = s;
-    const float inv = n_pairs / s;
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      T* yr = y + (a * L + l) * C;
+      if (rsum) rsum[a] = s;
+      const float inv = n_pairs / s;
+      for (int64_t l = 0; l < L; ++l) {
+        // one row per group (L = 1, tokens): the row converted above is still in the buffer
+        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), L == 1 ? 0 : C);
+        T* yd = y + (a * L + l) * C;
+        float* yr = out_f32(yd, yb.data());
 #pragma omp simd
-      for (int64_t p = 0; p < P; ++p) {
-        const float m = kAffine ? inv * w[p] : inv;
-        st(yr + 2 * p, ld(xr[2 * p]) * m);
-        st(yr + 2 * p + 1, ld(xr[2 * p + 1]) * m);
+        for (int64_t p = 0; p < P; ++p) {
+          const float m = kAffine ? inv * w[p] : inv;
+          yr[2 * p] = xr[2 * p] * m;
+          yr[2 * p + 1] = xr[2 * p + 1] * m;
+        }
+        flush(yr, yd, C);
       }
     }
   }
@@ -158,36 +199,41 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     float* my = dwb.mine();
+    std::vector<float> xb = scratch<T>(C), gb = scratch<T>(C), db = scratch<T>(C);
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < G; ++a) {
       const float inv_s = n_pairs / rsum[a];
       float c = 0.f;  // sum_k w g x over the group
       for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
+        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), C);
+        const float* gr = row_f32(g + (a * L + l) * C, gb.data(), C);
         float cr = 0.f;
 #pragma omp simd reduction(+ : cr)
         for (int64_t p = 0; p < P; ++p) {
-          const float gx = ld(gr[2 * p]) * ld(xr[2 * p]) + ld(gr[2 * p + 1]) * ld(xr[2 * p + 1]);
+          const float gx = gr[2 * p] * xr[2 * p] + gr[2 * p + 1] * xr[2 * p + 1];
           cr += kAffine ? w[p] * gx : gx;
         }
         c += cr;
       }
       const float k = c * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
       for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
-        T* dr = dx + (a * L + l) * C;
+        // one row per group (L = 1, tokens): the rows converted above are still in the buffers
+        const int64_t n = L == 1 ? 0 : C;
+        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), n);
+        const float* gr = row_f32(g + (a * L + l) * C, gb.data(), n);
+        T* dd = dx + (a * L + l) * C;
+        float* dr = out_f32(dd, db.data());
 #pragma omp simd
         for (int64_t p = 0; p < P; ++p) {
-          const float x0 = ld(xr[2 * p]), x1 = ld(xr[2 * p + 1]);
-          const float g0 = ld(gr[2 * p]), g1 = ld(gr[2 * p + 1]);
+          const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
+          const float g0 = gr[2 * p], g1 = gr[2 * p + 1];
           const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
           const float m = kAffine ? w[p] * inv_s : inv_s;
-          st(dr + 2 * p, g0 * m - kr * x0);
-          st(dr + 2 * p + 1, g1 * m - kr * x1);
+          dr[2 * p] = g0 * m - kr * x0;
+          dr[2 * p + 1] = g1 * m - kr * x1;
           if constexpr (kDw) my[p] += (g0 * x0 + g1 * x1) * inv_s;
         }
+        flush(dr, dd, C);
       }
     }
   }
