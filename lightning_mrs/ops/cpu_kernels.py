@@ -230,8 +230,9 @@ def rows_forward(x: Tensor, w: Optional[Tensor], eps: float, groups: int, rows: 
     else:
         r_sum = r_ptr = None
     w_ptr, w_kind = (None, 0) if w is None else (w.data_ptr(), _WKIND[w.dtype])
-    _fn("fwd_rows", x.dtype)(x.data_ptr(), w_ptr, w_kind, y.data_ptr(), r_ptr, groups, rows, channels, eps,
-                             threads(groups * rows * channels))
+    numel = groups * rows * channels
+    nt = 1 if numel < 2 * MIN_NUMEL_PER_THREAD else threads(numel)  # threads(), without the call
+    _fn("fwd_rows", x.dtype)(x.data_ptr(), w_ptr, w_kind, y.data_ptr(), r_ptr, groups, rows, channels, eps, nt)
     return y, r_sum
 
 
