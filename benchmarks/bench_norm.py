@@ -13,6 +13,11 @@ Usage::
     python benchmarks/bench_norm.py --json out.json # also the raw figures
     python benchmarks/bench_norm.py --repeats 21 --inner 5 --cases ln_8192x1024
     python benchmarks/bench_norm.py --threads 1 --clock cpu  # steadier on a loaded machine
+    python benchmarks/bench_norm.py --dtype float32 bfloat16 float16  # one table, every dtype
+    python benchmarks/bench_norm.py --quick --dtype all              # a few minutes
+
+Every module (ours and the natives) is cast to the input's dtype (``model.to(dtype)``), as
+a half-precision model is; MRSNorm computes half inputs in float32 inside.
 """
 
 from __future__ import annotations
@@ -117,14 +122,17 @@ def _backend(m: nn.Module, backend: str) -> nn.Module:
     return m
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def run_case(
     name: str, shape, factories, base: str, repeats: int, inner: int,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] = time.perf_counter, dtype: torch.dtype = torch.float32,
 ) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(shape, requires_grad=True)
-    gy = torch.randn(shape)
-    mods = {k: f() for k, f in factories.items()}
+    x = torch.randn(shape).to(dtype).requires_grad_()
+    gy = torch.randn(shape).to(dtype)
+    mods = {k: f().to(dtype) for k, f in factories.items()}
     for m in mods.values():  # warm-up: compiles, allocator, caches
         for _ in range(3):
             _step(m, x, gy)
@@ -151,7 +159,8 @@ def run_case(
                 "mem_ratio": mem[k] / mem[base],
             }
         )
-    return {"case": name, "shape": list(shape), "baseline": base, "rows": rows}
+    return {"case": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "baseline": base,
+            "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -161,12 +170,18 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--cases", nargs="*", default=None, help="subset of case names")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=[*DTYPES, "all"],
+                   help="input (and module) dtypes, one block of rows each; 'all' = all three")
+    p.add_argument("--quick", action="store_true", help="5 rounds x 1 call: a few minutes for every case")
     p.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall",
         help="wall: time.perf_counter; cpu: process CPU time (time.process_time), steadier "
         "on a loaded machine, best with --threads 1 (idle OpenMP threads spin and count)",
     )
     args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.inner = 5, 1
+    dtypes = list(DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
     if args.threads:
         torch.set_num_threads(args.threads)
     all_cases = cases()
@@ -182,15 +197,15 @@ def main(argv=None) -> int:
     cpp = "built" if cpu_kernels.available() else f"unavailable ({cpu_kernels.build_error()})"
     print(f"hand-written CPU kernels (the default's 'cpp' backend): {cpp}")
     results = []
-    hdr = (f"{'case':20s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
+    hdr = (f"{'case':20s} {'dtype':8s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
            f"{'min x':>6s} {'saved MiB':>9s} {'mem x':>6s}")
     print(hdr)
     print("-" * len(hdr))
-    for n in names:
-        res = run_case(n, *all_cases[n], args.repeats, args.inner, clock)
+    for n, dt in [(n, dt) for n in names for dt in dtypes]:
+        res = run_case(n, *all_cases[n], args.repeats, args.inner, clock, DTYPES[dt])
         results.append(res)
         for r in res["rows"]:
-            print(f"{n:20s} {r['impl']:32s} {r['ms']:9.2f} {r['time_ratio']:6.2f} "
+            print(f"{n:20s} {dt:8s} {r['impl']:32s} {r['ms']:9.2f} {r['time_ratio']:6.2f} "
                   f"{r['min_ms']:8.2f} {r['min_time_ratio']:6.2f} "
                   f"{r['saved_MiB']:9.1f} {r['mem_ratio']:6.2f}")
         sys.stdout.flush()

@@ -2,8 +2,8 @@
 
 Variants: ``batch`` (torchvision's BatchNorm2d), ``group`` (``GroupNorm(1, C)``, the usual
 "LayerNorm" of a ResNet) and ``mrs`` (every BatchNorm2d replaced by the default
-``MRSNorm2d(C, spatial=True)``, through ``lightning_mrs.swap_norms(model, target="mrs")``
-when that exists). The steps are interleaved in one process (median of the rounds), so the
+``MRSNorm2d(C, spatial=True)``, through ``lightning_mrs.swap_norms(model, target="mrs")``).
+The steps are interleaved in one process (median of the rounds), so the
 ratios are fair even on a busy machine.
 
 Usage::
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lightning_mrs import MRSNorm2d
+from lightning_mrs import swap_norms
 
 
 def resnet18_cifar(num_classes: int = 100) -> nn.Module:
@@ -46,22 +46,12 @@ def _replace_bn(model: nn.Module, factory: Callable[[int], nn.Module]) -> nn.Mod
 
 
 def to_mrs(model: nn.Module) -> tuple[nn.Module, str]:
-    """Every BatchNorm2d -> MRSNorm2d(spatial=True); returns the model and how it was done."""
-    try:
-        from lightning_mrs import swap_norms  # written by another engineer; optional here
-    except ImportError:
-        swap_norms = None
-    if swap_norms is not None:
-        out = swap_norms(model, target="mrs")
-        model = out if isinstance(out, nn.Module) else model
-        how = "lightning_mrs.swap_norms(model, target='mrs')"
-    else:
-        model = _replace_bn(model, lambda c: MRSNorm2d(c, spatial=True))
-        how = "BatchNorm2d -> MRSNorm2d(C, spatial=True) (swap_norms not available)"
+    """Every BatchNorm2d -> MRSNorm2d(spatial=True) in place; returns the model and how."""
+    report = swap_norms(model, target="mrs")
     left = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if left:
-        raise RuntimeError(f"MRS variant still has BatchNorm layers: {left[:3]}...")
-    return model, how
+    if left or not report.converted:
+        raise RuntimeError(f"MRS variant still has BatchNorm layers: {left[:3]}...\n{report}")
+    return model, f"{len(report.converted)} x MRSNorm2d(spatial=True) (swap_norms target='mrs')"
 
 
 def build(variant: str) -> tuple[nn.Module, str]:

@@ -7,6 +7,7 @@
 ``function.py``              the autograd Function saving only ``x`` and ``P * S``
 ``layout.py``                any layout as the kernels' 3-d view, and back
 ``dispatch.py``              the backend table and the cached choice of a backend
+``fast_path.py``             the common case (CPU tokens) straight into the C++ kernels
 ``torch_kernels.py``         backend ``torch``: forward/backward bodies, eager
 ``inductor_kernels.py``      backend ``inductor``: the same bodies, compiled
 ``cpu_kernels.py``, ``.cpp`` backend ``cpp``: hand-written one-pass CPU kernels

@@ -44,7 +44,11 @@ __all__ = ["NAME", "available", "backward", "build_error", "forward", "unavailab
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # float16: see the source
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_WKIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the weight's dtype for the kernels
+#: Elements per thread below which a call runs on one thread: waking an OpenMP team costs
+#: microseconds, more than normalising a few thousand values.
+MIN_NUMEL_PER_THREAD = 1 << 15
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "lib": ctypes.CDLL or None, "error": str
 
@@ -123,11 +127,11 @@ def _build() -> ctypes.CDLL:
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     for suffix in _SUFFIX.values():
-        for kind in ("rows", "sample"):  # same signatures: (x[, g], w2, ..., A, ., ., eps, nt)
+        for kind in ("rows", "sample"):  # same signatures: (x[, g], w, wkind, ..., A, ., ., eps, nt)
             fwd = getattr(lib, f"mrs_fwd_{kind}_{suffix}")
             bwd = getattr(lib, f"mrs_bwd_{kind}_{suffix}")
-            fwd.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
-            bwd.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, f32, i32]
+            fwd.argtypes = [ptr, ptr, i32, ptr, ptr, i64, i64, i64, f32, i32]
+            bwd.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, f32, i32]
             fwd.restype = bwd.restype = None
 
 
@@ -152,7 +156,7 @@ def _lib() -> Optional[ctypes.CDLL]:
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether the kernels for ``dtype`` (float32, bfloat16) can run here (builds the
+    """Whether the kernels for ``dtype`` (float32, bfloat16, float16) can run here (builds the
     library on the first call)."""
     if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0" or dtype not in _SUFFIX:
         return False
@@ -167,13 +171,13 @@ def build_error() -> Optional[str]:
 
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     """Why no kernel here covers ``key`` (``None`` when one does; builds the library on the
-    first call that needs it). Covered: float32/bfloat16 CPU tensors whose canonical view is
-    contiguous, with the channels contiguous, or the positions contiguous and one ``S`` per
-    sample (``(A, C, L)`` per position stays with the other backends)."""
+    first call that needs it). Covered: float32/bfloat16/float16 CPU tensors whose canonical
+    view is contiguous, with the channels contiguous, or the positions contiguous and one ``S``
+    per sample (``(A, C, L)`` per position stays with the other backends)."""
     if key.device_type != "cpu":
         return f"the C++ kernels run on the CPU, not on {key.device_type}"
     if key.dtype not in _SUFFIX:
-        return f"they cover float32/bfloat16, not {key.dtype}"
+        return f"they cover float32/bfloat16/float16, not {key.dtype}"
     if not key.dense:
         return "they need the channels contiguous, or the positions contiguous with spatial=True, in a dense tensor"
     if not (key.layout.last or key.layout.spatial):
@@ -186,51 +190,100 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
 
 
 def _fn(kind: str, dtype: torch.dtype):
-    lib = _lib()
-    name = f"mrs_{kind}_{_SUFFIX[dtype]}"
-    if lib is None or not hasattr(lib, name):
-        raise RuntimeError(f"lightning_mrs: CPU kernel {name} is not available ({build_error()})")
-    return getattr(lib, name)
+    fns = _STATE.setdefault("fns", {})  # (kind, dtype) -> ctypes function; goes with the library
+    fn = fns.get((kind, dtype))  # type: ignore[attr-defined]
+    if fn is None:
+        lib = _lib()
+        name = f"mrs_{kind}_{_SUFFIX[dtype]}"
+        if lib is None or not hasattr(lib, name):
+            raise RuntimeError(f"lightning_mrs: CPU kernel {name} is not available ({build_error()})")
+        fn = fns[(kind, dtype)] = getattr(lib, name)  # type: ignore[index]
+    return fn
 
 
-def _weight_ptr(w2: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[int]]:
-    """The per-channel gain as a float32 contiguous tensor (kept alive by the caller) and
-    its address, or ``(None, None)``."""
-    if w2 is None:
-        return None, None
-    w = w2.detach().to(torch.float32).contiguous()  # (C,)
-    return w, w.data_ptr()
+def kernel_weight(w: Optional[Tensor]) -> Optional[Tensor]:
+    """The per-phasor gain ``(P,)`` as the kernels read it: a contiguous float32, bfloat16 or
+    float16 tensor (read in place, converted inside the kernel); other dtypes become float32."""
+    if w is None or (w.dtype in _WKIND and w.is_contiguous()):
+        return w
+    return w.detach().to(torch.float32).contiguous()  # (P,)
 
 
-def forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
+def threads(numel: int) -> int:
+    """Threads for a call on ``numel`` elements: one below :data:`MIN_NUMEL_PER_THREAD` each."""
+    if numel < 2 * MIN_NUMEL_PER_THREAD:
+        return 1
+    return max(1, min(torch.get_num_threads(), numel // MIN_NUMEL_PER_THREAD))
+
+
+# The row kernels are the op's fast path (lightning_mrs.ops.fast_path): on a token they take
+# about as long as the Python around them, so these two do nothing they need not do.
+def rows_forward(x: Tensor, w: Optional[Tensor], eps: float, groups: int, rows: int, channels: int,
+                 with_rsum: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """``(y, r_sum)`` for a contiguous ``x`` read as ``(groups, rows, channels)``, one ``S`` per
+    group (``r_sum = P * S``, float32 ``(groups,)``; ``None`` unless ``with_rsum``); ``y`` has
+    ``x``'s shape. ``w``: ``None`` or a :func:`kernel_weight`. No checks: the callers made them."""
+    y = torch.empty_like(x)
+    if with_rsum:
+        r_sum = torch.empty(groups, dtype=torch.float32)  # (groups,)
+        r_ptr = r_sum.data_ptr()
+    else:
+        r_sum = r_ptr = None
+    w_ptr, w_kind = (None, 0) if w is None else (w.data_ptr(), _WKIND[w.dtype])
+    numel = groups * rows * channels
+    nt = 1 if numel < 2 * MIN_NUMEL_PER_THREAD else threads(numel)  # threads(), without the call
+    _fn("fwd_rows", x.dtype)(x.data_ptr(), w_ptr, w_kind, y.data_ptr(), r_ptr, groups, rows, channels, eps, nt)
+    return y, r_sum
+
+
+def rows_backward(x: Tensor, w: Optional[Tensor], r_sum: Tensor, g: Tensor, eps: float, groups: int,
+                  rows: int, channels: int, need_dw: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """``(dx, dw)`` of :func:`rows_forward` for ``g`` shaped like ``x`` (contiguous, float32
+    ``r_sum``); ``dw`` is ``(P,)`` float32, or ``None`` without a weight or ``need_dw``."""
+    dx = torch.empty_like(x)
+    if w is None:
+        w_ptr, w_kind, dw = None, 0, None
+    else:
+        w_ptr, w_kind = w.data_ptr(), _WKIND[w.dtype]
+        dw = torch.empty(channels // 2, dtype=torch.float32) if need_dw else None  # (P,)
+    _fn("bwd_rows", x.dtype)(
+        x.data_ptr(), g.data_ptr(), w_ptr, w_kind, r_sum.data_ptr(), dx.data_ptr(),
+        None if dw is None else dw.data_ptr(), groups, rows, channels, eps, threads(groups * rows * channels),
+    )
+    return dx, dw
+
+
+# --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------
+def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` for a contiguous canonical view accepted by :func:`unavailable`
     (``r_sum = P * S``, float32, ``(A, 1, 1)``)."""
     groups, rows, cols = x3.shape  # (A, L, C) if last else (A, C, L): one S per group
+    w = kernel_weight(w)
+    if layout.last:
+        y3, r_sum = rows_forward(x3, w, eps, groups, rows, cols)
+        return y3, r_sum.view(groups, 1, 1)
     y3 = torch.empty_like(x3)
     r_sum = torch.empty(groups, 1, 1, dtype=torch.float32)  # (A, 1, 1)
-    w, w_ptr = _weight_ptr(w2)
-    kind = "fwd_rows" if layout.last else "fwd_sample"
-    threads = torch.get_num_threads()
-    _fn(kind, x3.dtype)(x3.data_ptr(), w_ptr, y3.data_ptr(), r_sum.data_ptr(), groups, rows, cols, eps, threads)
-    del w  # kept alive until here: the kernel reads it
+    w_ptr, w_kind = (None, 0) if w is None else (w.data_ptr(), _WKIND[w.dtype])
+    _fn("fwd_sample", x3.dtype)(x3.data_ptr(), w_ptr, w_kind, y3.data_ptr(), r_sum.data_ptr(), groups, rows, cols,
+                                eps, threads(x3.numel()))
     return y3, r_sum
 
 
-def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
              layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` for ``g3`` shaped like ``x3``; ``dw`` is ``(P,)`` float32, or ``None``
     without a weight."""
     groups, rows, cols = x3.shape
     g3 = g3.contiguous()
     r_sum32 = r_sum.to(torch.float32).contiguous()  # (A, 1, 1)
+    w = kernel_weight(w)
+    if layout.last:
+        return rows_backward(x3, w, r_sum32, g3, eps, groups, rows, cols, need_dw=True)
     dx3 = torch.empty_like(x3)
-    w, w_ptr = _weight_ptr(w2)
-    channels = cols if layout.last else rows
-    dw = torch.empty(channels // 2, dtype=torch.float32) if w is not None else None
-    dw_ptr = dw.data_ptr() if dw is not None else None
-    kind = "bwd_rows" if layout.last else "bwd_sample"
-    threads = torch.get_num_threads()
-    ptrs = (x3.data_ptr(), g3.data_ptr(), w_ptr, r_sum32.data_ptr(), dx3.data_ptr(), dw_ptr)
-    _fn(kind, x3.dtype)(*ptrs, groups, rows, cols, eps, threads)
-    del w
+    w_ptr, w_kind = (None, 0) if w is None else (w.data_ptr(), _WKIND[w.dtype])
+    dw = torch.empty(rows // 2, dtype=torch.float32) if w is not None else None  # (P,)
+    ptrs = (x3.data_ptr(), g3.data_ptr(), w_ptr, w_kind, r_sum32.data_ptr(), dx3.data_ptr(),
+            None if dw is None else dw.data_ptr())
+    _fn("bwd_sample", x3.dtype)(*ptrs, groups, rows, cols, eps, threads(x3.numel()))
     return dx3, dw

@@ -3,14 +3,15 @@
 Every backend is a module that implements :class:`Backend`: a ``forward`` and a
 ``backward`` on the canonical 3-d views of :mod:`lightning_mrs.ops.layout`, and
 ``unavailable(key, explicit)``, which says why it cannot run a :class:`DispatchKey`
-(``None`` when it can). :data:`BACKENDS` lists them in the order ``backend="auto"`` tries
-them:
+(``None`` when it can). :data:`KERNELS` lists them in the order ``backend="auto"`` tries
+them; :data:`BACKENDS` is every value the op's ``backend=`` takes (``auto``, ``eager``: the
+reference formula, and these names):
 
 ========== ====================================================== ===============================
 name       what                                                   ``auto`` picks it for
 ========== ====================================================== ===============================
 triton     hand-written Triton kernels (:mod:`.triton_kernels`)    CUDA, one ``S`` per position
-cpp        hand-written one-pass C++/OpenMP (:mod:`.cpu_kernels`)  CPU float32/bf16, channels
+cpp        hand-written one-pass C++/OpenMP (:mod:`.cpu_kernels`)  CPU float32/bf16/fp16, channels
                                                                   contiguous, or NCHW per sample
 inductor   the torch bodies compiled (:mod:`.inductor_kernels`)   the rest, >= 2^18 elements
 torch      the torch bodies run eagerly (:mod:`.torch_kernels`)   the rest (float64, small, meta)
@@ -18,7 +19,8 @@ torch      the torch bodies run eagerly (:mod:`.torch_kernels`)   the rest (floa
 
 The choice depends only on the :class:`DispatchKey` (device type, dtype, layout, whether the
 view is dense, whether the tensor is large) and on the request, so it is made once per key
-and cached; the environment variables (``LIGHTNING_MRS_CPU_KERNELS``,
+and cached (:func:`resolve_rows` caches the common case, a dense channels-last CPU input,
+on its dtype and size alone); the environment variables (``LIGHTNING_MRS_CPU_KERNELS``,
 ``LIGHTNING_MRS_COMPILE_MIN_NUMEL``, ``TRITON_INTERPRET``) are read when a key is first seen.
 :func:`clear_cache` forgets every choice (tests, or after changing those variables).
 """
@@ -34,41 +36,50 @@ from torch import Tensor
 
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
-__all__ = ["BACKENDS", "Backend", "clear_cache", "compile_min_numel", "get_backend", "resolve"]
+__all__ = [
+    "BACKENDS", "Backend", "KERNELS", "clear_cache", "compile_min_numel", "get_backend", "resolve", "resolve_rows",
+]
 
-#: Backend name -> module, in the order ``backend="auto"`` tries them.
-BACKENDS: dict[str, str] = {
+#: Kernel backend name -> module, in the order ``backend="auto"`` tries them.
+KERNELS: dict[str, str] = {
     "triton": "lightning_mrs.ops.triton_kernels",
     "cpp": "lightning_mrs.ops.cpu_kernels",
     "inductor": "lightning_mrs.ops.inductor_kernels",
     "torch": "lightning_mrs.ops.torch_kernels",
 }
+#: The values of the op's ``backend=``: ``auto`` (the default) picks the fastest available
+#: kernel, ``eager`` runs the reference formula, a name of :data:`KERNELS` forces that kernel
+#: (benchmarks, bug reports). Every answer of ``which_backend`` is one of them.
+BACKENDS: tuple[str, ...] = ("auto", "eager", *KERNELS)
+_ROWS = Layout(last=True, spatial=False)  # tokens: channels contiguous, one S per row
 _DEFAULT_COMPILE_MIN_NUMEL = 1 << 18  # 1 MiB of fp32: below, a compile is not worth its seconds
 
 
 class Backend(Protocol):
-    """What every backend module implements (``x3``: a canonical view, ``w2``: the per-channel
-    gain ``(C,)`` or ``None``, ``r_sum``: ``P * S`` per group as the forward returned it)."""
+    """What every backend module implements (``x3``: a canonical view, ``w``: the per-phasor
+    gain ``(P,)`` in its own dtype or ``None``, ``r_sum``: ``P * S`` per group as the forward
+    returned it; the backward's ``dw`` is ``(P,)``, in float32 or the compute dtype)."""
 
     NAME: str
 
     def unavailable(self, key: DispatchKey, explicit: bool) -> Optional[str]: ...
 
-    def forward(self, x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]: ...
+    def forward(self, x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]: ...
 
     def backward(
-        self, x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout
+        self, x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout
     ) -> tuple[Tensor, Optional[Tensor]]: ...
 
 
 _CACHE: dict[tuple[DispatchKey, str], str] = {}
+_ROWS_CACHE: dict[tuple[object, bool], str] = {}  # (dtype, large) -> auto's choice for dense CPU rows
 _LOCK = threading.Lock()
 _SETTINGS: dict[str, int] = {}
 
 
 def get_backend(name: str) -> Backend:
     """The backend module called ``name`` (imported on first use: triton is heavy)."""
-    return importlib.import_module(BACKENDS[name])  # type: ignore[return-value]
+    return importlib.import_module(KERNELS[name])  # type: ignore[return-value]
 
 
 def compile_min_numel() -> int:
@@ -82,6 +93,7 @@ def clear_cache() -> None:
     """Forget every cached choice and re-read the environment variables on the next call."""
     with _LOCK:
         _CACHE.clear()
+        _ROWS_CACHE.clear()
         _SETTINGS.clear()
 
 
@@ -95,14 +107,14 @@ def _choose(key: DispatchKey, request: str) -> str:
                 f"spatial={key.layout.spatial}: {reason}. Use backend='auto' to pick the best available kernel."
             )
         return request
-    for name in BACKENDS:
+    for name in KERNELS:
         if get_backend(name).unavailable(key, explicit=False) is None:
             return name
     raise AssertionError("the torch backend runs everywhere")  # pragma: no cover
 
 
 def resolve(key: DispatchKey, request: str = "auto") -> str:
-    """The backend that ``request`` (``"auto"`` or a name of :data:`BACKENDS`) means for ``key``.
+    """The backend that ``request`` (``"auto"`` or a name of :data:`KERNELS`) means for ``key``.
 
     Raises:
         ValueError: an explicit request that cannot run ``key``, with the reason.
@@ -114,4 +126,15 @@ def resolve(key: DispatchKey, request: str = "auto") -> str:
             if choice is None:
                 choice = _choose(key, request)  # may build the C++ kernels (once per process)
                 _CACHE[(key, request)] = choice
+    return choice
+
+
+def resolve_rows(dtype: object, large: bool) -> str:
+    """``resolve(key)`` for ``auto`` and a dense, channels-last CPU input with one ``S`` per
+    row (tokens: the common case), cached on ``(dtype, large)`` alone so that the op's fast
+    path builds no :class:`DispatchKey` per call."""
+    choice = _ROWS_CACHE.get((dtype, large))
+    if choice is None:
+        choice = resolve(DispatchKey("cpu", dtype, _ROWS, True, large))  # type: ignore[arg-type]
+        _ROWS_CACHE[(dtype, large)] = choice
     return choice

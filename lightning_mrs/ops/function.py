@@ -22,12 +22,6 @@ from lightning_mrs.ops.reference import mrs_norm_reference
 __all__ = ["MRSNormFunction", "fused_mrs_norm"]
 
 
-def _per_channel(weight: Optional[Tensor]) -> Optional[Tensor]:
-    # Per-channel gain (C,), built eagerly (tiny): a contiguous load in the kernels, where an
-    # index c // 2 inside them would defeat vectorisation.
-    return None if weight is None else weight.repeat_interleave(2)
-
-
 def _fresh(view: Tensor) -> Tensor:
     """The same memory as ``view`` in a tensor that is not a view (no ``_base``).
 
@@ -43,7 +37,7 @@ class MRSNormFunction(torch.autograd.Function):
     """MRSNorm with a hand-written backward that needs only ``x`` and one scale per group.
 
     ``apply(x, weight, eps, channel_dim, spatial, backend, canonical)`` with ``channel_dim >= 0``,
-    ``backend`` a name of :data:`lightning_mrs.ops.dispatch.BACKENDS` and ``canonical`` the
+    ``backend`` a name of :data:`lightning_mrs.ops.dispatch.KERNELS` and ``canonical`` the
     input's :class:`~lightning_mrs.ops.layout.Canonical` (kept for the backward). The output is a fresh
     tensor, not a view of the kernel's buffer, so in-place ops on it (``relu_``,
     ``out += identity``) need no CopySlices copies in the backward. Double backward
@@ -54,11 +48,9 @@ class MRSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
                 backend: str, canonical: Canonical) -> Tensor:
-        w2 = _per_channel(weight)
-        y3, r_sum = get_backend(backend).forward(canonical.view(x), w2, eps, canonical.layout)
+        y3, r_sum = get_backend(backend).forward(canonical.view(x), weight, eps, canonical.layout)
         ctx.save_for_backward(x, weight, r_sum)  # r_sum = P * S: one value per group
         ctx.config = (eps, channel_dim, spatial, backend, canonical)
-        ctx.weight2 = w2  # (C,): the weight the forward used, not rebuilt in the backward
         y = canonical.restore(y3)
         if canonical.relayout:
             # the view was a copy (one S per sample, channels mid-memory): give y x's layout back
@@ -74,7 +66,7 @@ class MRSNormFunction(torch.autograd.Function):
             dx, dw = _differentiable_grads(x, weight, g, eps, channel_dim, spatial, need_x, need_w)
             return dx, dw, None, None, None, None, None
         dx3, dw = get_backend(backend).backward(
-            canonical.view(x), ctx.weight2, r_sum, canonical.view(like(g, x)), eps, canonical.layout
+            canonical.view(x), weight, r_sum, canonical.view(like(g, x)), eps, canonical.layout
         )
         dx = canonical.restore(dx3) if need_x else None
         dw = dw.to(weight.dtype) if need_w else None

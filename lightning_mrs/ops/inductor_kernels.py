@@ -114,12 +114,12 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     return None
 
 
-def forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
+def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` of the compiled forward body."""
-    return torch_kernels.call_forward(x3, w2, eps, layout, run=_run)
+    return torch_kernels.call_forward(x3, w, eps, layout, run=_run)
 
 
-def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
              layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` of the compiled backward body."""
-    return torch_kernels.call_backward(x3, w2, r_sum, g3, eps, layout, run=_run)
+    return torch_kernels.call_backward(x3, w, r_sum, g3, eps, layout, run=_run)

@@ -8,7 +8,9 @@ Where the mean is taken (``docs/method.md#where-the-mean-is-taken``):
   per (sample, position), ``spatial=True`` one ``S`` per sample, shared over all phasors at
   all positions (like ``GroupNorm(1, C)``).
 
-The arguments are checked here (:mod:`.validation`); then the reference formula runs
+The common case - a contiguous channels-last CPU input - goes straight to the C++ row
+kernels (:mod:`.fast_path`, which accepts only inputs that pass every check). Otherwise the
+arguments are checked here (:mod:`.validation`); then the reference formula runs
 (:mod:`.reference`) or the fused autograd Function (:mod:`.function`) with the backend that
 :mod:`.dispatch` picks.
 """
@@ -20,18 +22,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_mrs.ops.dispatch import compile_min_numel, resolve
+from lightning_mrs.ops.dispatch import BACKENDS, compile_min_numel, resolve
+from lightning_mrs.ops.fast_path import try_rows
 from lightning_mrs.ops.function import fused_mrs_norm
 from lightning_mrs.ops.layout import Canonical, DispatchKey, canonical_of
 from lightning_mrs.ops.reference import mrs_norm_reference, mrs_scale_reference
 from lightning_mrs.ops.validation import check_inputs
 
 __all__ = ["BACKENDS", "mrs_norm", "mrs_scale", "which_backend"]
-
-#: The values of ``backend``: ``auto`` (the default) picks the fastest available kernel,
-#: ``eager`` runs the reference formula, the others force one kernel (for benchmarks and bug
-#: reports; see :mod:`lightning_mrs.ops.dispatch`).
-BACKENDS = ("auto", "eager", "cpp", "inductor", "triton")
 
 
 def _check_backend(backend: str, caller: str) -> None:
@@ -48,6 +46,9 @@ def _runs_eagerly(x: Tensor) -> bool:
 def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
               backend: str, caller: str) -> Tensor:
     """:func:`mrs_norm` with the caller's name in error messages (the modules pass theirs)."""
+    y = try_rows(x, weight, eps, channel_dim, spatial, backend)
+    if y is not None:
+        return y
     channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
     _check_backend(backend, caller)
     if backend == "eager" or _runs_eagerly(x):
@@ -63,7 +64,8 @@ def _resolve(x: Tensor, canonical: Canonical, backend: str) -> str:
 
 def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, backend: str = "auto") -> str:
     """The implementation :func:`mrs_norm` runs for this input: ``"eager"`` (the reference
-    formula) or a backend of :data:`lightning_mrs.ops.dispatch.BACKENDS`.
+    formula) or a kernel of :data:`lightning_mrs.ops.dispatch.KERNELS`; either is a valid
+    ``backend=`` (:data:`BACKENDS`).
 
     Example:
         >>> which_backend(torch.randn(8, 64, dtype=torch.float64))

@@ -31,10 +31,17 @@ from torch import Tensor
 from lightning_mrs.ops.layout import DispatchKey, Layout
 from lightning_mrs.ops.validation import compute_dtype
 
-__all__ = ["BODIES", "NAME", "backward", "call_backward", "call_forward", "forward", "unavailable"]
+__all__ = ["BODIES", "NAME", "backward", "call_backward", "call_forward", "forward", "per_channel", "unavailable"]
 
 NAME = "torch"
 _DW_SPLIT = 8  # rows summed together before the column reduction of dw (see _col_sum)
+
+
+def per_channel(w: Optional[Tensor]) -> Optional[Tensor]:
+    """The per-phasor gain ``(P,)`` as a per-channel one ``(C,)``, built eagerly (tiny): a
+    contiguous load in the bodies, where an index ``c // 2`` inside them would defeat
+    vectorisation."""
+    return None if w is None else w.repeat_interleave(2)
 
 
 def _col_sum(t: Tensor) -> Tensor:
@@ -208,17 +215,20 @@ def _eager(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
     return BODIES[name](*args)
 
 
-def call_forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout,
+def call_forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout,
                  run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
-    """``(y3, r_sum)`` through the body of ``layout``, executed by ``run``."""
+    """``(y3, r_sum)`` through the body of ``layout``, executed by ``run`` (``w``: the
+    per-phasor gain ``(P,)`` or ``None``)."""
+    w2 = per_channel(w)  # (C,)
     if layout.last:
         return run("fwd_last", x3, w2, _even_mask(x3), eps, layout.spatial)
     return run("fwd_first", x3, w2, eps, layout.spatial)
 
 
-def call_backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout,
+def call_backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout,
                   run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` through the body of ``layout``, executed by ``run``."""
+    w2 = per_channel(w)  # (C,)
     if layout.last:
         return run("bwd_last", x3, w2, _even_mask(x3), r_sum, g3, eps, layout.spatial)
     return run("bwd_first", x3, w2, r_sum, g3, eps, layout.spatial)
@@ -230,12 +240,12 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     return None
 
 
-def forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
+def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)``: the output view and ``P * S`` per group (float32, or float64)."""
-    return call_forward(x3, w2, eps, layout)
+    return call_forward(x3, w, eps, layout)
 
 
-def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
              layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)``: the input gradient view and the ``(P,)`` weight gradient (or ``None``)."""
-    return call_backward(x3, w2, r_sum, g3, eps, layout)
+    return call_backward(x3, w, r_sum, g3, eps, layout)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs.ops.layout import DispatchKey, Layout
+from lightning_mrs.ops.torch_kernels import per_channel
 
 try:
     import triton
@@ -144,17 +145,19 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     return None
 
 
-def forward(x3: Tensor, w2: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
+def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` for a canonical view with any strides (see :mod:`lightning_mrs.ops.layout`)."""
+    w2 = per_channel(w)  # (C,)
     if layout.last:
         y3, r_sum = _forward(x3.transpose(1, 2), w2, eps)  # (A, C, L) strided view
         return y3.transpose(1, 2), r_sum
     return _forward(x3, w2, eps)
 
 
-def backward(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
+def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
              layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` of :func:`forward` for the upstream gradient ``g3`` (``dw`` per phasor)."""
+    w2 = per_channel(w)  # (C,)
     if layout.last:
         dx3, dw = _backward(x3.transpose(1, 2), w2, r_sum, g3.transpose(1, 2), eps)
         return dx3.transpose(1, 2), dw

@@ -100,7 +100,8 @@ KERNELS = {
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_results_do_not_depend_on_the_thread_count(kernel: str) -> None:
+def test_results_do_not_depend_on_the_thread_count(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "MIN_NUMEL_PER_THREAD", 1)  # these small inputs on every thread
     shape, channel_dim, spatial = KERNELS[kernel]
     x, w, gy = make_inputs(shape, channel_dim, None, torch.float32)
     cpp = forced("cpp", channel_dim, spatial)
@@ -117,13 +118,37 @@ def test_results_do_not_depend_on_the_thread_count(kernel: str) -> None:
     torch.testing.assert_close(one[2], many[2], atol=1e-5, rtol=1e-5)  # dw: per-thread partial sums
 
 
+def test_small_inputs_run_on_one_thread_and_large_ones_on_all() -> None:
+    assert cpu_kernels.threads(2048) == 1
+    assert cpu_kernels.threads(2**30) == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_bfloat16_output_rounds_to_nearest_even_like_torch(kernel: str) -> None:
-    # the kernel's own float -> bfloat16 store (cpu_kernels.cpp, st) against torch's rounding
-    # of the same float32 maths; bfloat16 inputs are exact in float32, so only the store differs
+def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype) -> None:
+    # the kernel's own float -> half store (cpu_kernels.cpp, st) against torch's rounding of
+    # the same float32 maths; half inputs are exact in float32, so only the store differs.
+    # Weights from 1e-7 (subnormal float16 outputs) to 3e4 (float16 overflows to inf).
     shape, channel_dim, spatial = KERNELS[kernel]
-    x, w, _ = make_inputs(shape, channel_dim, None, torch.bfloat16)
+    x, _, _ = make_inputs(shape, channel_dim, None, dtype)
+    w = torch.logspace(-7, 4.5, shape[channel_dim] // 2).to(dtype)
     cpp = forced("cpp", channel_dim, spatial)
     y = cpp(x, w)
     y32 = cpp(x.float(), w.float())
-    assert torch.equal(y, y32.to(torch.bfloat16))
+    assert torch.equal(y.isinf(), y32.to(dtype).isinf())
+    if kernel.startswith("rows"):  # the half rows are converted, then run the float32 code itself
+        assert torch.equal(y, y32.to(dtype))
+    else:  # conversions inside the loops: its sums may vectorise (round) differently, by an ulp
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(y, y32.to(dtype), atol=torch.finfo(dtype).smallest_normal * eps, rtol=eps)
+
+
+def test_float16_loads_every_finite_value_exactly() -> None:
+    # every finite float16 (subnormals, zeros of both signs, the largest) in rows of 64: the
+    # kernel's float16 -> float conversion (ld) against torch's, through the whole op
+    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.float16)
+    x = x[x.isfinite()]
+    x = x[: x.numel() // 64 * 64].view(-1, 64)  # (rows, 64)
+    y = forced("cpp")(x, None)
+    torch.testing.assert_close(y, forced("cpp")(x.float(), None).to(torch.float16), atol=0, rtol=0)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs import mrs_norm
-from lightning_mrs.ops import cpu_kernels, dispatch, which_backend
+from lightning_mrs.ops import BACKENDS, cpu_kernels, dispatch, which_backend
 from lightning_mrs.ops.layout import DispatchKey
 
 CPP = "cpp" if cpu_kernels.available() else None  # where the C++ kernels cannot be built, ...
@@ -53,8 +53,9 @@ AUTO_CASES: list[tuple[str, Callable[[], Tensor], int, bool, str]] = [
     ("tokens transposed per sample", lambda: torch.randn(10, 2, 8).transpose(0, 1), -1, True, "inductor"),
     ("nchw per position", lambda: nchw(), 1, False, "inductor"),  # no C++ kernel for it
     ("nchw per position small", lambda: torch.randn(1, 8, 2, 2), 1, False, "torch"),
-    ("float16 large", lambda: nchw(torch.float16), 1, True, "inductor"),
-    ("float16 small", lambda: torch.randn(2, 8, dtype=torch.float16), -1, False, "torch"),
+    ("float16 large", lambda: nchw(torch.float16), 1, True, "cpp"),
+    ("float16 small", lambda: torch.randn(2, 8, dtype=torch.float16), -1, False, "cpp"),
+    ("float16 per position", lambda: nchw(torch.float16), 1, False, "inductor"),
     ("float64 large", lambda: nchw(torch.float64), 1, True, "torch"),
     ("strided slice large", lambda: torch.randn(20, 16)[:, ::2], -1, False, "inductor"),
     ("strided slice small", lambda: torch.randn(4, 16)[:, ::2], -1, False, "torch"),
@@ -82,8 +83,7 @@ def test_the_default_compile_threshold_is_a_quarter_million_elements(monkeypatch
 
 # (request, input, channel_dim, spatial, words of the reason)
 REFUSALS = [
-    ("cpp", lambda: torch.randn(4, 8, dtype=torch.float16), -1, False, "float32/bfloat16, not torch.float16"),
-    ("cpp", lambda: torch.randn(4, 8, dtype=torch.float64), -1, False, "float32/bfloat16, not torch.float64"),
+    ("cpp", lambda: torch.randn(4, 8, dtype=torch.float64), -1, False, "float32/bfloat16/float16, not torch.float64"),
     ("cpp", lambda: nchw(), 1, False, "channels contiguous, or the positions contiguous with spatial=True"),
     ("cpp", lambda: torch.randn(4, 16)[:, ::2], -1, False, "in a dense tensor"),
     ("cpp", lambda: nchw(device="meta"), 1, True, "run on the CPU, not on meta"),
@@ -114,8 +114,25 @@ def test_triton_on_a_cpu_tensor_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_unknown_backend_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown backend 'cuda'; choose one of auto, eager, cpp, inductor, triton"):
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; choose one of auto, eager, triton, cpp, inductor, torch"):
         mrs_norm(torch.randn(2, 8), backend="cuda")
+
+
+@pytest.mark.parametrize("what,make,channel_dim,spatial,expected", AUTO_CASES, ids=[c[0] for c in AUTO_CASES])
+def test_every_answer_of_which_backend_is_a_valid_backend(
+    what: str, make: Callable[[], Tensor], channel_dim: int, spatial: bool, expected: str
+) -> None:
+    x = make()
+    name = which_backend(x, channel_dim=channel_dim, spatial=spatial)
+    assert name in BACKENDS
+    # accepted as a request, and meaning the same kernel (dispatching runs no kernel)
+    assert which_backend(x, channel_dim=channel_dim, spatial=spatial, backend=name) == name
+
+
+def test_the_torch_backend_can_be_requested() -> None:
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert which_backend(x) == "torch"
+    torch.testing.assert_close(mrs_norm(x, backend="torch"), mrs_norm(x, backend="eager"))
 
 
 def test_eager_and_empty_inputs_run_the_reference_formula() -> None:

@@ -114,13 +114,13 @@ def norm_under_test(entry: str, backend: str) -> Callable[[Tensor, Optional[Tens
 
 
 def cpp_runs(x: Tensor, channel_dim: int, spatial: bool) -> bool:
-    """The C++ kernels' contract: float32/bfloat16 in a dense tensor with the channels
+    """The C++ kernels' contract: float32/bfloat16/float16 in a dense tensor with the channels
     innermost (rows; per sample only with the batch dim outermost), or one S per sample with
     the batch dim outermost and the channels next (NCHW-like); empty inputs run the reference
     formula whatever the request."""
     if x.numel() == 0:
         return True
-    if x.dtype not in (torch.float32, torch.bfloat16) or not is_dense(x):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not is_dense(x):
         return False
     in_memory = sorted((d for d in range(x.ndim) if x.shape[d] > 1), key=lambda d: -x.stride(d))
     batch_outermost = x.shape[0] == 1 or in_memory[0] == 0

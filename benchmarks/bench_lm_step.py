@@ -1,0 +1,128 @@
+"""Time one training step of a small Hugging Face Llama on the CPU, by norm layer.
+
+The model is a transformers ``LlamaForCausalLM`` built from a config (nothing downloaded):
+4 layers, width 128 (4 heads of 32, MLP 512), a byte vocabulary (256), trained on batches of
+32 sequences of 128 bytes with AdamW. Variants:
+
+* ``llama``: the model's own ``LlamaRMSNorm`` (the denominator of the ratios);
+* ``rms``: every norm replaced by ``nn.RMSNorm`` (``swap_norms(model, target="rms")``);
+* ``mrs``: every norm replaced by ``MRSNorm`` (``swap_norms(model, target="mrs")``).
+
+The swaps go through :func:`lightning_mrs.swap_norms`; a swap that converts nothing (or
+leaves a ``LlamaRMSNorm`` behind) stops the benchmark with an error rather than timing the
+unchanged model. The steps of all variants are interleaved in one process, rotated each
+round (median and fastest of the rounds), so that machine noise hits them alike.
+
+Usage::
+
+    python benchmarks/bench_lm_step.py                # 9 rounds
+    python benchmarks/bench_lm_step.py --quick        # 3 rounds, a minute or two
+    python benchmarks/bench_lm_step.py --threads 1 --rounds 15 --json lm_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from lightning_mrs import swap_norms
+
+VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs"}  # name -> swap target
+
+
+def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, str]:
+    """The seeded model of ``variant`` and a description of its norm layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    config._attn_implementation = "eager"  # the same maths on every machine
+    model = LlamaForCausalLM(config).float().train()
+    target = VARIANTS[variant]
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    if target is None:
+        return model, f"{len(norms)} x LlamaRMSNorm (transformers)"
+    report = swap_norms(model, target=target)
+    left = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    if not report.converted or left:
+        raise RuntimeError(
+            f"swap_norms(model, target={target!r}) converted {len(report.converted)} of the {len(norms)} "
+            f"LlamaRMSNorm layers (left: {left[:3]}); the benchmark would time the unchanged model.\n{report}"
+        )
+    kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n in report.converted})
+    return model, f"{len(report.converted)} x {', '.join(kinds)} (swap_norms target={target!r})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median)")
+    p.add_argument("--steps", type=int, default=2, help="steps per model per round")
+    p.add_argument("--quick", action="store_true", help="3 rounds of 1 step")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--json", default=None, help="write the raw figures to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 3, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        p.error("this benchmark needs transformers: pip install 'lightning-mrs[hf]'")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (args.batch, args.seq), generator=g)  # bytes
+    models, opts, how = {}, {}, {}
+    for v in args.variants:
+        models[v], how[v] = build(v, args.layers, args.width, args.seq)
+        opts[v] = torch.optim.AdamW(models[v].parameters(), lr=1e-3)
+
+    def step(v: str) -> None:
+        opts[v].zero_grad(set_to_none=True)
+        models[v](input_ids=tokens, labels=tokens).loss.backward()
+        opts[v].step()
+
+    for v in models:  # warm-up: allocator, first-call kernel builds
+        for _ in range(2):
+            step(v)
+    times: dict[str, list[float]] = {v: [] for v in models}
+    order = list(models)
+    for i in range(args.rounds):
+        for v in order[i % len(order):] + order[: i % len(order)]:  # rotated: no fixed neighbour
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(v)
+            times[v].append((time.perf_counter() - t0) / args.steps)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    best = {v: min(t) for v, t in times.items()}
+    base = "llama" if "llama" in med else order[0]
+    print(f"Llama train step (AdamW): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
+          f"bytes; {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+          f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
+    for v in models:
+        print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
+              f"{best[v] / best[base]:7.3f}  {how[v]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "threads": torch.get_num_threads(), "median_s": med,
+                       "all_s": times, "layers": how}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

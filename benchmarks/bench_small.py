@@ -1,0 +1,153 @@
+"""Time one call of MRSNorm on the small inputs of a language model, against torch's norms.
+
+Rows: the default ``MRSNorm`` module, ``nn.LayerNorm`` (the ratios' denominator),
+``nn.RMSNorm`` and transformers' ``LlamaRMSNorm`` (if transformers is installed), each in
+inference (``torch.inference_mode``, one token when decoding) and forward+backward. All
+rows of a case are interleaved in one process, rotated each round; the figure of a round is
+the mean of ``--inner`` calls; the table gives the median and the fastest round.
+
+``--profile`` also times the stages of one call of the general path (what every input that
+is not the common case still pays) beside the fast path, on ``(1, 1, 2048)`` in inference.
+
+Usage::
+
+    python benchmarks/bench_small.py                 # the table, 1 thread
+    python benchmarks/bench_small.py --quick         # seconds
+    python benchmarks/bench_small.py --profile       # and the stages of one call
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lightning_mrs import MRSNorm
+
+CASES = [  # (shape, mode)
+    ((1, 1, 2048), "inference"),
+    ((1, 1, 4096), "inference"),
+    ((1, 1, 2048), "fwd+bwd"),
+    ((8, 64), "fwd+bwd"),
+    ((4096, 128), "fwd+bwd"),
+]
+
+
+def norms(c: int) -> dict[str, nn.Module]:
+    out = {"MRSNorm": MRSNorm(c), "nn.LayerNorm": nn.LayerNorm(c), "nn.RMSNorm": nn.RMSNorm(c)}
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        out["LlamaRMSNorm"] = LlamaRMSNorm(c)
+    except ImportError:  # pragma: no cover - transformers is the [hf] extra
+        pass
+    return out
+
+
+def _per_call(fn: Callable[[], object], inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    mods = norms(shape[-1])
+    x = torch.randn(shape, requires_grad=mode != "inference")
+    gy = torch.randn(shape)
+
+    def call(m: nn.Module) -> Callable[[], object]:
+        if mode == "inference":
+            return lambda: m(x)
+        return lambda: m(x).backward(gy)
+
+    ctx = torch.inference_mode() if mode == "inference" else torch.enable_grad()
+    with ctx:
+        fns = {k: call(m) for k, m in mods.items()}
+        for fn in fns.values():  # warm-up
+            _per_call(fn, inner)
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        order = list(fns)
+        for i in range(repeats):
+            for k in order[i % len(order):] + order[: i % len(order)]:
+                times[k].append(_per_call(fns[k], inner))
+    return times
+
+
+def profile(inner: int) -> list[tuple[str, float]]:
+    """Microseconds of the stages of one inference call on (1, 1, 2048), fastest of 7 rounds."""
+    op = importlib.import_module("lightning_mrs.ops.mrs_norm")
+    from lightning_mrs.ops import cpu_kernels, fast_path, function, layout
+    from lightning_mrs.ops.validation import check_inputs
+
+    c = 2048
+    m = MRSNorm(c)
+    x = torch.randn(1, 1, c)
+    w = m.weight.detach()
+    can = layout.canonical_of(x, 2, False)
+    x3 = can.view(x)
+    idle = nn.Identity()
+    stages: dict[str, Callable[[], object]] = {
+        "module call, fast path (total)": lambda: m(x),
+        "nn.LayerNorm module call (total)": (lambda ln=nn.LayerNorm(c): ln(x)),
+        "  an empty nn.Module call": lambda: idle(x),
+        "  module.weight (nn.Module __getattr__)": lambda: m.weight,
+        "  fast_path.try_rows (checks + kernel)": lambda: fast_path.try_rows(x, w, 1e-6, -1, False, "auto"),
+        "  cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
+        "  torch.empty_like (the output)": lambda: torch.empty_like(x),
+        "general path (total, backend='cpp')": lambda: op.normalize(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
+        "  check_inputs (validation)": lambda: check_inputs(x, w, 1e-6, -1, False, "mrs_norm"),
+        "  canonical_of (cached layout)": lambda: layout.canonical_of(x, 2, False),
+        "  _resolve (dispatch key + cache)": lambda: op._resolve(x, can, "cpp"),
+        "  MRSNormFunction.apply (all of it)": lambda: function.MRSNormFunction.apply(x, w, 1e-6, 2, False, "cpp", can),
+        "    canonical.view": lambda: can.view(x),
+        "    cpp forward (backend interface)": lambda: cpu_kernels.forward(x3, w, 1e-6, can.layout),
+        "    canonical.restore": lambda: can.restore(x3),
+        "    _fresh (a non-view output)": lambda: function._fresh(x3),
+    }
+    out = []
+    with torch.inference_mode():
+        for name, fn in stages.items():
+            _per_call(fn, inner)
+            out.append((name, min(_per_call(fn, inner) for _ in range(7)) * 1e6))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=15, help="interleaved rounds (median)")
+    p.add_argument("--inner", type=int, default=200, help="calls per timed round")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--quick", action="store_true", help="5 rounds x 50 calls")
+    p.add_argument("--profile", action="store_true", help="also time the stages of one call")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.inner = 5, 50
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} interleaved "
+          f"rounds x {args.inner} calls (us per call); 'x LN' = ratio of medians to nn.LayerNorm "
+          f"(in brackets: of the fastest rounds)")
+    names = list(norms(2))
+    print(f"{'input':14s} {'mode':10s} " + " ".join(f"{n:>22s}" for n in names))
+    for shape, mode in CASES:
+        times = run_case(shape, mode, args.repeats, args.inner)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        best = {k: min(v) for k, v in times.items()}
+        ln_med, ln_best = med["nn.LayerNorm"], best["nn.LayerNorm"]
+        cells = [f"{med[n] * 1e6:7.1f} x{med[n] / ln_med:4.2f} ({best[n] / ln_best:4.2f})" for n in names]
+        print(f"{str(shape):14s} {mode:10s} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
+    if args.profile:
+        print("\nOne inference call on (1, 1, 2048), fastest of 7 rounds (us):")
+        for name, us in profile(max(args.inner, 1000)):
+            print(f"  {name:48s} {us:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
