@@ -12,8 +12,6 @@ from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
 from lightning_mrs.ops import cpu_kernels
-from lightning_mrs.ops.function import fused_mrs_norm
-from lightning_mrs.ops.validation import check_inputs
 from helpers.reference import mrs_norm_ref
 
 #: (atol, rtol) of the output per input dtype, for outputs of size ~1; the gradients get 10x.
@@ -77,16 +75,8 @@ def make_inputs(
 
 
 def forced(backend: str, channel_dim: int = -1, spatial: bool = False) -> Norm:
-    """``mrs_norm`` with ``backend`` forced. ``"torch"`` is internal (not a value of the public
-    ``backend``): it runs through the fused Function after the same argument checks."""
-    if backend != "torch":
-        return lambda x, w: mrs_norm(x, w, channel_dim=channel_dim, spatial=spatial, backend=backend)
-
-    def torch_backend(x: Tensor, w: Optional[Tensor]) -> Tensor:
-        dim = check_inputs(x, w, 1e-6, channel_dim, spatial)
-        return fused_mrs_norm(x, w, 1e-6, dim, spatial, "torch")
-
-    return torch_backend
+    """``mrs_norm`` with ``backend`` forced (every name ``which_backend`` answers is a valid ``backend``)."""
+    return lambda x, w: mrs_norm(x, w, channel_dim=channel_dim, spatial=spatial, backend=backend)
 
 
 def grads(fn: Norm, x: Tensor, w: Optional[Tensor], gy: Tensor) -> Grads:
