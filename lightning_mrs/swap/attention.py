@@ -90,6 +90,8 @@ class AttentionInfo:
             :func:`~lightning_mrs.swap.norm_spec` names it), ``None`` for ``nn.Identity``.
         layout: the dims of the q/k tensors ``q_norm``/``k_norm`` see (``"BHND"``...).
         cosine: q and k are L2-normalised after ``q_norm``/``k_norm`` (Swin V2).
+        unseen: what the layer adds to ``scale * q . k`` after ``k_norm`` that hooks on the
+            norms do not see (transformers layers: ``"rotary embeddings and the causal mask"``...).
     """
 
     num_heads: int
@@ -98,6 +100,7 @@ class AttentionInfo:
     qk_norm: Optional[str]
     layout: str = "BHND"
     cosine: bool = False
+    unseen: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class _Entry:
     head_factor: int = 1  # q heads per module.num_heads (differential attention: 2)
     cosine: bool = False
     scale: Optional[float] = None  # a fixed logit scale where the module has no ``scale``
+    info: Optional[Callable[[nn.Module], AttentionInfo]] = None  # the layer's info, where it is read differently
 
 
 _ATTENTION_CLASSES: dict[type, _Entry] = {}
@@ -184,8 +188,9 @@ class _Layer:
     name: str
     module: nn.Module
     entry: Optional[_Entry] = None  # covered as it is
-    replacement: Optional[type] = None  # rebuilt by attention_torchvision
+    replacement: Optional[type] = None  # rebuilt by attention_torchvision or attention_hf
     reason: Optional[str] = None  # opaque: why no QK-norm can be added
+    note: Optional[str] = None  # for the report when a QK-norm is asked for
 
 
 def _find(model: nn.Module) -> list[_Layer]:
@@ -193,6 +198,13 @@ def _find(model: nn.Module) -> list[_Layer]:
     _load_builtins()
     found: list[_Layer] = []
     for name, module in model.named_modules():
+        if type(module).__module__.startswith("transformers."):  # never imports transformers otherwise
+            from lightning_mrs.swap import attention_hf
+
+            hf = attention_hf.classify(module, bool(_LOOKS_LIKE.search(type(module).__name__)))
+            if hf is not None:
+                found.append(_Layer(name, module, hf.entry, hf.replacement, hf.reason, hf.note))
+                continue
         entry, reason = _entry(module)
         if entry is not None:
             found.append(_Layer(name, module, entry=entry))
@@ -218,6 +230,8 @@ def _inside(name: str, parent: str) -> bool:
 
 
 def _info(module: nn.Module, entry: _Entry) -> AttentionInfo:
+    if entry.info is not None:
+        return entry.info(module)
     spec = norm_spec(module.q_norm)
     scale = getattr(module, "scale", None)
     return AttentionInfo(
@@ -335,6 +349,8 @@ def plan_attention(
         report.notes.append(f"qk_norm={opts.qk_norm!r}: the model has no attention layers; no QK-norm added")
     for layer in layers:
         module, name = layer.module, layer.name
+        if kind is not None and layer.note is not None and layer.note not in report.notes:
+            report.notes.append(layer.note)
         if layer.reason is not None:
             if kind is not None:
                 report.attention_skipped[name] = layer.reason
@@ -368,7 +384,8 @@ def plan_attention(
             continue
         if layer.replacement is not None:
             plan.replacements[id(module)] = rebuilt
-            report.attention_replaced[name] = (type(module).__qualname__, layer.replacement.__qualname__)
+            report.attention_replaced[name] = (type(module).__qualname__,
+                                                getattr(layer.replacement, "label", layer.replacement.__qualname__))
         for attr in missing:
             old = getattr(module, attr, None)
             if old is not None and (old._forward_hooks or old._forward_pre_hooks):
