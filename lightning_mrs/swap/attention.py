@@ -32,6 +32,11 @@ Covered (read off each class's forward, timm 1.0.31 / torchvision 0.29):
   parameters: ``nn.MultiheadAttention`` (torchvision ViT, ``nn.TransformerEncoderLayer``...),
   Swin's ``ShiftedWindowAttention``/``ShiftedWindowAttentionV2``, MaxViT's
   ``RelativePositionalMultiHeadAttention`` (:func:`expose_attention` does only this).
+* Hugging Face transformers, by :mod:`lightning_mrs.swap.attention_hf` (loaded only for a model
+  holding a module whose class comes from transformers): the q/k projections are wrapped so
+  that ``q_norm``/``k_norm`` apply per head before the rotary embedding (Llama, Mistral, Qwen2,
+  Gemma 1/2, Phi-3, GPT-2, GPT-NeoX, and any layer with ``q_proj``/``k_proj`` and ``head_dim``);
+  the QK-norms of Qwen3, Gemma 3 and OLMo 2 (full-width, ``"BN(HD)"``) are covered as they are.
 
 Other modules that look like attention (a class name with Attention/Attn/XCA/MSA and a
 ``num_heads``-like int: BEiT, CaiT, XCiT, MViTv2, timm's Swin...) compute q and k where no
@@ -57,6 +62,7 @@ from typing import Callable, Iterator, Optional
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm
+from lightning_mrs.swap.attention_info import QK_ATTRS, AttentionInfo
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
@@ -64,8 +70,6 @@ from lightning_mrs.swap.report import SwapReport
 __all__ = ["AttentionInfo", "QKPlan", "expose_attention", "iter_attention_layers", "plan_attention",
            "QK_ATTRS", "register_attention", "rewire"]
 
-#: the attributes of a covered attention layer that hold its QK-norms
-QK_ATTRS = ("q_norm", "k_norm")
 _DEFAULT_EPS = 1e-6
 _LOOKS_LIKE = re.compile(r"attn|attention|xca|msa", re.IGNORECASE)
 _HEAD_ATTRS = ("num_heads", "n_heads", "heads", "nhead")
@@ -74,33 +78,6 @@ _QK_NORMS: dict[str, Callable[..., nn.Module]] = {
     "rms": lambda c, eps, dd: nn.RMSNorm(c, eps, **dd),
     "layer": lambda c, eps, dd: nn.LayerNorm(c, eps, **dd),
 }
-
-
-@dataclass(frozen=True)
-class AttentionInfo:
-    """One covered attention layer.
-
-    Attributes:
-        num_heads: heads of the queries that ``q_norm`` sees (timm's differential attention:
-            twice the module's ``num_heads``; keys may have fewer heads under GQA).
-        head_dim: the last dim of q and k (the QK-norm's width).
-        scale: the factor of ``q . k`` in the logits; ``None`` when it is learned (Swin V2's
-            cosine attention: ``exp(clamp(logit_scale))`` per head).
-        qk_norm: the kind of ``q_norm`` (``"mrs"``, ``"rms"``, ``"layer"``... as
-            :func:`~lightning_mrs.swap.norm_spec` names it), ``None`` for ``nn.Identity``.
-        layout: the dims of the q/k tensors ``q_norm``/``k_norm`` see (``"BHND"``...).
-        cosine: q and k are L2-normalised after ``q_norm``/``k_norm`` (Swin V2).
-        unseen: what the layer adds to ``scale * q . k`` after ``k_norm`` that hooks on the
-            norms do not see (transformers layers: ``"rotary embeddings and the causal mask"``...).
-    """
-
-    num_heads: int
-    head_dim: int
-    scale: Optional[float]
-    qk_norm: Optional[str]
-    layout: str = "BHND"
-    cosine: bool = False
-    unseen: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +180,8 @@ def _find(model: nn.Module) -> list[_Layer]:
 
             hf = attention_hf.classify(module, bool(_LOOKS_LIKE.search(type(module).__name__)))
             if hf is not None:
-                found.append(_Layer(name, module, hf.entry, hf.replacement, hf.reason, hf.note))
+                entry = _Entry(info=hf.info) if hf.info is not None else None
+                found.append(_Layer(name, module, entry, hf.replacement, hf.reason, hf.note))
                 continue
         entry, reason = _entry(module)
         if entry is not None:

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from lightning_mrs.swap.attention import QK_ATTRS, AttentionInfo, _Entry
+from lightning_mrs.swap.attention_info import QK_ATTRS, AttentionInfo
 from lightning_mrs.swap.registry import norm_spec
 
 __all__ = ["HFLayer", "QKNormConv1D", "QKNormLinear", "classify", "rewire_attention"]
@@ -239,10 +239,10 @@ def _native_info(module: nn.Module, layout: str) -> AttentionInfo:
 
 @dataclass(frozen=True)
 class HFLayer:
-    """What :func:`classify` found: covered as it is (``entry``), to rewire (``replacement``),
-    or opaque (``reason``); ``note`` is for the swap report."""
+    """What :func:`classify` found: covered as it is (``info`` reads its :class:`AttentionInfo`),
+    to rewire (``replacement``), or opaque (``reason``); ``note`` is for the swap report."""
 
-    entry: Optional[_Entry] = None
+    info: Optional[Callable[[nn.Module], AttentionInfo]] = None
     replacement: Optional["_Rewire"] = None
     reason: Optional[str] = None
     note: Optional[str] = None
@@ -288,7 +288,7 @@ def classify(module: nn.Module, looks_like_attention: bool) -> Optional[HFLayer]
     """``module`` (whose class comes from transformers) as an attention layer, or ``None`` when
     it is not one."""
     if _wrapped(module):
-        return HFLayer(entry=_Entry(info=_wrapped_info))
+        return HFLayer(info=_wrapped_info)
     q_norm, k_norm = (module._modules.get(a) for a in QK_ATTRS)
     cls = type(module).__name__
     if q_norm is not None and k_norm is not None:
@@ -298,11 +298,11 @@ def classify(module: nn.Module, looks_like_attention: bool) -> Optional[HFLayer]
         d = getattr(module, "head_dim", None)
         heads, _ = _config_heads(module)
         if width is not None and isinstance(d, int) and heads and width == heads * d and width != d:
-            return HFLayer(entry=_Entry(info=lambda m: _native_info(m, "BN(HD)")), note=(
+            return HFLayer(info=lambda m: _native_info(m, "BN(HD)"), note=(
                 f"{cls}'s q_norm/k_norm normalise the whole q/k projection ({heads} heads x {d} at once, as OLMo 2 "
                 "does), not each head: they keep that width (one scale over all heads)"))
         layout = _NATIVE_LAYOUTS.get(cls, "unknown")
-        return HFLayer(entry=_Entry(info=lambda m: _native_info(m, layout)))
+        return HFLayer(info=lambda m: _native_info(m, layout))
     if not looks_like_attention:
         return None
     wiring = _wiring(module)

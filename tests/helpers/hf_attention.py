@@ -24,24 +24,23 @@ ADDS = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt2", "gpt_neo
 NATIVE = ("qwen3", "gemma3_text", "olmo2")
 QK_FAMILIES = ADDS + NATIVE
 
-_COMMON = dict(bos_token_id=0, eos_token_id=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64)
-_OVERRIDES: dict[str, dict[str, Any]] = {
-    "gpt2": dict(bos_token_id=0, eos_token_id=0, n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=64,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "gpt_neox": dict(bos_token_id=0, eos_token_id=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     vocab_size=96, max_position_embeddings=64),
-    "gemma2": dict(query_pre_attn_scalar=16, sliding_window=8),
-    "gemma3_text": dict(query_pre_attn_scalar=16, sliding_window=8),
-    "phi3": dict(pad_token_id=0),
+_IDS = dict(bos_token_id=0, eos_token_id=0, vocab_size=96)
+_LAYERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64)
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gpt_neox": dict(_LAYERS),
+    "gemma2": dict(_LAYERS, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
+    "gemma3_text": dict(_LAYERS, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
+    "phi3": dict(_LAYERS, num_key_value_heads=2, head_dim=16, pad_token_id=0),
 }
+_DEFAULT = dict(_LAYERS, num_key_value_heads=2, head_dim=16)  # the other families: GQA, 4 q / 2 kv heads
 
 
 def tiny_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> torch.nn.Module:
     """A 2-layer ``AutoModelForCausalLM`` of ``model_type`` with random weights, eager attention."""
-    kwargs = {**_COMMON, **_OVERRIDES.get(model_type, {})} if model_type not in ("gpt2", "gpt_neox") \
-        else dict(_OVERRIDES[model_type])
-    cfg = transformers.AutoConfig.for_model(model_type, **{**kwargs, **config})
+    kwargs = {**_IDS, **_CONFIGS.get(model_type, _DEFAULT), **config}
+    cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
