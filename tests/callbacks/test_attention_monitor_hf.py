@@ -86,18 +86,22 @@ def test_llama_figures_match_materialised_softmax(qk_norm, recording_logger: Rec
     assert "model.model.layers.0.self_attn (rotary embeddings and the causal mask)" in unseen[0]
 
 
-def test_olmo2_full_width_qk_norms_are_read_per_head(recording_logger: RecordingLogger) -> None:
-    """OLMo 2's q_norm sees (B, N, heads*D): the monitor splits it into heads ("BN(HD)")."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "olmo2"])
+def test_native_qk_norm_layouts_are_read_per_head(family: str, recording_logger: RecordingLogger) -> None:
+    """Qwen3's q_norm sees (B, N, H, D), Gemma 3's (B, H, N, D), OLMo 2's (B, N, H*D)."""
     torch.manual_seed(0)
-    module = TinyLM("olmo2")
+    module = TinyLM(family)
     seen = {}
     attn = module.model.model.layers[0].self_attn
     attn.q_norm.register_forward_hook(lambda m, a, out: seen.update(q=out.detach().double()))
     attn.k_norm.register_forward_hook(lambda m, a, out: seen.update(k=out.detach().double()))
     fit(module, steps=1, logger=recording_logger, data=token_data(BATCH, LENGTH), batch_size=BATCH,
         callbacks=[AttentionMonitor(max_queries=None)])
-    q, k = (seen[r].unflatten(-1, (-1, 16)).transpose(1, 2) for r in ("q", "k"))  # (B, H, N, 16)
-    ref = attention_ref(q, k, 16 ** -0.5)
-    for stat in FIGURES:
+    to_bhnd = {"qwen3": lambda t: t.transpose(1, 2), "gemma3_text": lambda t: t,
+               "olmo2": lambda t: t.unflatten(-1, (-1, 16)).transpose(1, 2)}[family]
+    q, k = to_bhnd(seen["q"]), to_bhnd(seen["k"])  # (B, 4, N, 16), (B, 2, N, 16)
+    assert q.shape == (BATCH, 4, LENGTH, 16) and k.shape == (BATCH, 2, LENGTH, 16)
+    ref = attention_ref(q, k, attn.scaling)
+    for stat in FIGURES + ("q_norm_mean", "k_norm_mean"):  # their own (RMS) QK-norms: norm figures too
         got = recording_logger.history[f"attention/model.model.layers.0.self_attn/{stat}"][0]
         assert got == pytest.approx(ref[stat], rel=1e-4, abs=1e-5), stat

@@ -1,8 +1,9 @@
-"""Tiny transformers causal LMs built from a config (nothing downloaded), for the QK-norm tests.
+"""Tiny transformers causal LMs for the QK-norm and attention-monitor tests.
 
-:data:`QK_FAMILIES` is the one list of the families the HF QK-norm tests cover;
-:func:`tiny_lm` builds one in float64 or float32, eager attention, 2 layers, hidden 64, 4 query
-heads and 2 key/value heads of 16 (GPT-2 and GPT-NeoX: 4 heads); :class:`TinyLM` trains one.
+The families are :data:`helpers.hf.FAMILIES` (the one coverage list), split into those with a
+QK-norm of their own (:data:`NATIVE`) and the others (:data:`ADDS`). :func:`tiny_lm` builds one
+in float64 or float32 from :func:`helpers.hf.tiny_config` made wider (4 query and 2 key/value
+heads of 16); :class:`TinyLM` trains one.
 """
 
 from __future__ import annotations
@@ -10,41 +11,31 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
-import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-transformers = pytest.importorskip("transformers")
+from helpers.hf import FAMILIES, tiny_config, transformers
 
 __all__ = ["ADDS", "NATIVE", "QK_FAMILIES", "TinyLM", "tiny_lm", "token_data", "tokens"]
 
-#: families whose attention has no QK-norm: ``qk_norm`` adds one (by wrapping q/k projections)
-ADDS = ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt2", "gpt_neox")
 #: families with a QK-norm of their own: ``qk_norm`` swaps it
 NATIVE = ("qwen3", "gemma3_text", "olmo2")
-QK_FAMILIES = ADDS + NATIVE
+#: the other families of the coverage list: ``qk_norm`` adds one (by wrapping q/k projections)
+ADDS = tuple(f for f in FAMILIES if f not in NATIVE)
+QK_FAMILIES = FAMILIES
 
-_IDS = dict(bos_token_id=0, eos_token_id=0, vocab_size=96)
-_LAYERS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=64)
-_CONFIGS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "gpt_neox": dict(_LAYERS),
-    "gemma2": dict(_LAYERS, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
-    "gemma3_text": dict(_LAYERS, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8),
-    "phi3": dict(_LAYERS, num_key_value_heads=2, head_dim=16, pad_token_id=0),
-}
-_DEFAULT = dict(_LAYERS, num_key_value_heads=2, head_dim=16)  # the other families: GQA, 4 q / 2 kv heads
+#: wider than tiny_config's default: 4 query and 2 key/value heads of 16 (GPT-2, GPT-NeoX: 4 heads)
+_WIDER = dict(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=96)
+_NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
 
 
 def tiny_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **config: Any) -> torch.nn.Module:
-    """A 2-layer ``AutoModelForCausalLM`` of ``model_type`` with random weights, eager attention."""
-    kwargs = {**_IDS, **_CONFIGS.get(model_type, _DEFAULT), **config}
-    cfg = transformers.AutoConfig.for_model(model_type, **kwargs)
+    """A 2-layer ``AutoModelForCausalLM`` of ``model_type`` (:func:`helpers.hf.tiny_config`, wider)
+    with random weights, eager attention, in train mode."""
+    cfg = tiny_config(model_type, **{**_WIDER, **_NO_DROPOUT.get(model_type, {}), **config})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    return model.to(dtype)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
 def tokens(batch: int = 2, length: int = 7, vocab: int = 96, seed: int = 1) -> torch.Tensor:

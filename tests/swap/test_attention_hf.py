@@ -147,14 +147,14 @@ def test_copies_pickles_and_rebuilds_keep_the_wiring() -> None:
 
 
 def test_odd_head_dim_is_skipped_for_mrs_with_the_reason() -> None:
-    model = tiny_lm("gpt2", n_embd=60, n_head=4)  # head_dim 15
+    model = tiny_lm("gpt2", hidden_size=60)  # head_dim 15
     report = swap_norms(model, None, qk_norm="mrs")
     assert not report.qk_added
     assert set(report.attention_skipped) == {"transformer.h.0.attn", "transformer.h.1.attn"}
     reasons = set(report.attention_skipped.values())
     assert len(reasons) == 1 and reasons.pop().startswith("odd head_dim 15: MRSNorm pairs adjacent channels")
     with pytest.raises(ValueError, match=r"transformer.h.0.attn \(GPT2Attention\): odd head_dim 15"):
-        swap_norms(tiny_lm("gpt2", n_embd=60, n_head=4), None, qk_norm="mrs", strict=True)
+        swap_norms(tiny_lm("gpt2", hidden_size=60), None, qk_norm="mrs", strict=True)
     assert len(swap_norms(model, None, qk_norm="rms").qk_added) == 4  # RMSNorm needs no pairs
 
 
@@ -190,3 +190,53 @@ def test_native_qk_norms_are_found_with_their_layout(family: str) -> None:
     layers[0][1].q_norm.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
     model(tokens(2, 7))
     assert shapes == [{"BNHD": (2, 7, 4, 16), "BHND": (2, 4, 7, 16), "BN(HD)": (2, 7, 64)}[layout]]
+
+
+@pytest.mark.parametrize("family", NATIVE)
+@pytest.mark.parametrize("qk_norm", ["rms", "layer"])
+def test_native_qk_norms_swapped_to_a_baseline_keep_the_logits(family: str, qk_norm: str) -> None:
+    """rms: the same formula, so the same logits (Gemma 3's 1 + w folded into the weight); layer:
+    another formula, so the kinds and widths only."""
+    model = tiny_lm(family).eval()
+    x = tokens()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "_norm." in n:
+                p.add_(0.1 * torch.randn_like(p))  # off the init, so an offset matters
+        ref = model(x).logits
+    report = swap_norms(model, None, qk_norm=qk_norm)
+    names = sorted(f"model.layers.{i}.self_attn.{a}" for i in range(2) for a in ("q_norm", "k_norm"))
+    assert sorted(report.converted) == names and not report.qk_added and not report.attention_skipped
+    width = 64 if family == "olmo2" else 16  # OLMo 2: the whole projection (4 heads x 16), its k_norm 2 x 16
+    kind = {"rms": nn.RMSNorm, "layer": nn.LayerNorm}[qk_norm]
+    for name in names:
+        norm = model.get_submodule(name)
+        assert isinstance(norm, kind)
+        assert norm.normalized_shape == ((width if name.endswith("q_norm") or family != "olmo2" else 32),)
+    if qk_norm == "rms":
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, ref, atol=1e-5, rtol=1e-5)
+    assert any("OLMo 2" in n for n in report.notes) == (family == "olmo2")
+
+
+@pytest.mark.parametrize("family", NATIVE)
+@pytest.mark.parametrize("qk_norm", [True, "mrs"])
+def test_native_qk_norms_swapped_to_mrs_train_a_step(family: str, qk_norm) -> None:
+    model = tiny_lm(family).train()
+    report = swap_norms(model, "mrs", qk_norm=qk_norm)
+    qk = [n for n in report.converted if n.endswith(("q_norm", "k_norm"))]
+    assert len(qk) == 4 and all(isinstance(model.get_submodule(n), MRSNorm) for n in qk)
+    assert [i.qk_norm for _, _, i in iter_attention_layers(model)] == ["mrs", "mrs"]
+    ids = tokens()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(model.get_submodule(n).weight.grad.abs().sum() > 0 for n in qk)
+
+
+def test_qk_norm_false_leaves_native_qk_norms_alone() -> None:
+    model = tiny_lm("qwen3")
+    report = swap_norms(model, "mrs", qk_norm=False)
+    assert type(model.model.layers[0].self_attn.q_norm).__name__ == "Qwen3RMSNorm"
+    assert report.skipped["model.layers.0.self_attn.q_norm"] == "QK-norm left alone (qk_norm=False)"
+    assert isinstance(model.model.layers[0].input_layernorm, MRSNorm)
