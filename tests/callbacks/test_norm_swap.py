@@ -107,7 +107,7 @@ def test_sharded_strategies_are_refused():
 
     fake = SimpleNamespace(strategy=FSDPStrategy())
     model = TinyModule()
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*swap_norms"):
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*ModelParallelStrategy"):
         NormSwap().setup(fake, model, "fit")
     assert isinstance(model.net[1], nn.BatchNorm2d)
 
