@@ -112,6 +112,24 @@ def test_sharded_strategies_are_refused():
     assert isinstance(model.net[1], nn.BatchNorm2d)
 
 
+def test_model_parallel_swaps_before_configure_model_and_refuses_a_model_built_there():
+    """Under ModelParallelStrategy configure_model parallelises: NormSwap must not call it, so a
+    model built there appears after the swap and is refused with the FSDP2 advice."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    fake = SimpleNamespace(strategy=ModelParallelStrategy())
+    model = TinyModule(build="configure_model")
+    swap = NormSwap(verbose=False)
+    swap.setup(fake, model, "fit")
+    assert model.net is None  # not built by NormSwap: that call would shard
+    model.configure_model()  # Lightning's call
+    with pytest.raises(MisconfigurationException, match="must be built in __init__ and only sharded in configure_model"):
+        swap.on_validation_start(fake, model)
+    built = TinyModule()
+    swap.setup(fake, built, "fit")
+    assert isinstance(built.net[1], MRSNorm2d) and swap.state_dict()["before_configure_model"] is True
+
+
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "ddp_notebook"])
 def test_multiprocessing_launchers_are_refused_in_setup(strategy):
     # what the workers run first (the real launches are in test_norm_swap_ddp.py)

@@ -4,7 +4,7 @@ The LightningModule builds a tiny Llama in ``__init__`` and shards it in ``confi
 (``fully_shard`` per decoder layer, then the root), as Lightning's FSDP2 guide does. NormSwap
 swaps the unsharded model in ``setup``, before Lightning calls ``configure_model``: the
 sharded model trains with MRSNorm body norms and MRS QK-norms; its checkpoint (a directory of
-shards) resumes, and restores in the test process onto a freshly built, unsharded model.
+shards) restores in the test process onto a freshly built, unsharded model, and (slow) resumes.
 
 Run as a script (``python tests/callbacks/test_norm_swap_fsdp2.py MODE OUT_DIR``) this file is
 the job: Lightning's launcher re-runs the same command line for rank 1.
@@ -73,13 +73,16 @@ def _run(mode: str, out: Path) -> dict:
     return torch.load(out / f"{mode}.pt")
 
 
-def test_fsdp2_trains_the_swapped_model_checkpoints_resumes_and_restores(tmp_path):
-    trained = _run("fit", tmp_path)
+def _fit_and_check(out: Path) -> dict:
+    trained = _run("fit", out)
     assert set(trained["kinds"].values()) == {"MRSNorm"} and len(trained["kinds"]) == 2 * 4 + 1  # QK-norms too
-    fresh = TinyLM("llama")
-    fresh_state = fresh.state_dict()
+    fresh_state = TinyLM("llama").state_dict()
     assert any(not torch.equal(trained["state"][k], fresh_state[k]) for k in fresh_state if "layernorm" in k)
+    return trained
 
+
+def test_fsdp2_trains_the_swapped_model_checkpoints_and_restores(tmp_path):
+    trained = _fit_and_check(tmp_path)
     restored = NormSwap.restore(ShardedLM("llama"), tmp_path / "sharded.ckpt").eval()  # no device mesh needed
     assert isinstance(restored.model.model.layers[0].self_attn.q_norm, MRSNorm)
     got = restored.state_dict()
@@ -89,7 +92,12 @@ def test_fsdp2_trains_the_swapped_model_checkpoints_resumes_and_restores(tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(restored(X), trained["logits"], atol=1e-6, rtol=1e-6)
 
-    resumed = _run("resume", tmp_path)  # 2 more steps from the shards, the record checked
+
+@pytest.mark.slow  # two 2-process jobs (about a minute on 2 busy cores)
+def test_fsdp2_resumes_from_its_shards(tmp_path):
+    trained = _fit_and_check(tmp_path)
+    resumed = _run("resume", tmp_path)  # 2 more steps from the shards, NormSwap's record checked
+    assert list(resumed["state"]) == list(trained["state"])
     assert any(not torch.equal(resumed["state"][k], v) for k, v in trained["state"].items())
 
 
