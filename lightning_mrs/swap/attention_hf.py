@@ -35,24 +35,25 @@ Not covered, and reported with the reason: cross-attention (GPT-2's ``q_attn``),
 projections of other layouts, attention with no ``q_proj``/``k_proj`` (DeepSeek's MLA...), and a
 ``q_norm`` of a width that is neither ``head_dim`` nor the whole projection.
 
-This module imports transformers; :mod:`lightning_mrs.swap.attention` imports it only when a
-model holds a module whose class comes from transformers (``type(m).__module__``).
+This module never imports transformers (the ``[hf]`` extra is optional): it is loaded only for
+a model holding a module whose class comes from transformers (``type(m).__module__``), and
+:class:`QKNormConv1D` subclasses the ``Conv1D`` class of the model it meets, on first use.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from transformers.pytorch_utils import Conv1D
 
 from lightning_mrs.swap.attention_info import QK_ATTRS, AttentionInfo
 from lightning_mrs.swap.registry import norm_spec
 
-__all__ = ["HFLayer", "QKNormConv1D", "QKNormLinear", "classify", "rewire_attention"]
+__all__ = ["HFLayer", "QKNormLinear", "classify", "rewire_attention"]  # and QKNormConv1D, made on first use
 
 #: native per-head QK-norms: the layout of the tensor they see (checked in the tests)
 _NATIVE_LAYOUTS = {"Qwen3Attention": "BNHD", "Qwen3MoeAttention": "BNHD", "Gemma3Attention": "BHND"}
@@ -118,15 +119,34 @@ class QKNormLinear(_HeadNormOutput, nn.Linear):
     """An ``nn.Linear`` q/k projection whose output goes through the owner's ``q_norm``/``k_norm`` per head."""
 
 
-class QKNormConv1D(_HeadNormOutput, Conv1D):
-    """GPT-2's ``Conv1D`` q/k/v projection, with ``q_norm``/``k_norm`` per head on its q and k parts."""
+_WRAPPERS: dict[type, type] = {nn.Linear: QKNormLinear}
 
 
-_WRAPPERS: dict[type, type] = {nn.Linear: QKNormLinear, Conv1D: QKNormConv1D}
+def _is_conv1d(cls: type) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections), recognised without importing transformers."""
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def _conv1d_wrapper(conv1d: type) -> type:
+    """``QKNormConv1D``: GPT-2's ``Conv1D`` q/k/v projection with ``q_norm``/``k_norm`` per head on
+    its q and k parts (made once, as a global of this module, so that pickle finds it)."""
+    if conv1d not in _WRAPPERS:
+        cls = type("QKNormConv1D", (_HeadNormOutput, conv1d), {"__module__": __name__,
+                                                              "__doc__": _conv1d_wrapper.__doc__})
+        _WRAPPERS[conv1d] = globals()["QKNormConv1D"] = cls
+    return _WRAPPERS[conv1d]
+
+
+def __getattr__(name: str) -> type:
+    utils = sys.modules.get("transformers.pytorch_utils")
+    if name == "QKNormConv1D" and utils is not None:  # unpickling a GPT-2 model: its modeling module loaded it
+        return _conv1d_wrapper(utils.Conv1D)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _wrap(proj: nn.Module, owner: nn.Module, split: Split, head_dim: int, interleaved: bool = False) -> nn.Module:
-    return _WRAPPERS[type(proj)].from_module(proj, owner, split, head_dim, interleaved)
+    cls = _conv1d_wrapper(type(proj)) if _is_conv1d(type(proj)) else _WRAPPERS[type(proj)]
+    return cls.from_module(proj, owner, split, head_dim, interleaved)
 
 
 # ---------------------------------------------------------------------------- the families
@@ -146,7 +166,7 @@ class _Wiring:
 def _out(proj: nn.Module) -> Optional[int]:
     if type(proj) is nn.Linear:
         return proj.out_features
-    if type(proj) is Conv1D:
+    if _is_conv1d(type(proj)):
         return int(proj.nf)
     return None
 
