@@ -105,3 +105,14 @@ def test_native_qk_norm_layouts_are_read_per_head(family: str, recording_logger:
     for stat in FIGURES + ("q_norm_mean", "k_norm_mean"):  # their own (RMS) QK-norms: norm figures too
         got = recording_logger.history[f"attention/model.model.layers.0.self_attn/{stat}"][0]
         assert got == pytest.approx(ref[stat], rel=1e-4, abs=1e-5), stat
+
+
+def test_unwrapped_llama_is_not_monitored_and_says_so(recording_logger: RecordingLogger) -> None:
+    """Llama's attention has no q_norm/k_norm to hook until it is exposed or given a QK-norm."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(TinyLM("llama"), steps=1, logger=recording_logger, data=token_data(BATCH, LENGTH), batch_size=BATCH,
+            callbacks=[AttentionMonitor()])
+    messages = [str(w.message) for w in caught if "no attention layer it can monitor" in str(w.message)]
+    assert len(messages) == 1 and "transformers attention after lightning_mrs.swap.expose_attention" in messages[0]
+    assert not [tag for tag in recording_logger.history if tag.startswith("attention/")]
