@@ -74,3 +74,30 @@ def test_every_buildable_family_is_swapped_or_reported():
     for model_type, why in cannot.items():
         print(f"  {model_type}: {why}")
     assert set(FAMILIES) <= set(reproduced)
+
+
+@pytest.mark.slow
+def test_every_known_class_agrees_with_the_probe():
+    """The classes of lightning_mrs.swap.hf.KNOWN_NORMS, found in the installed transformers,
+    are probed to their listed formula (a changed transformers class shows up here)."""
+    import importlib
+    import pkgutil
+
+    import transformers.models
+
+    from lightning_mrs.swap.hf import KNOWN_NORMS
+
+    families = {m.name.replace("_", ""): m.name for m in pkgutil.iter_modules(transformers.models.__path__)}
+    checked = []
+    for name, ((kind, weight), _) in KNOWN_NORMS.items():
+        family = name.removesuffix("RMSNorm").removesuffix("LayerNorm1P").removesuffix("LayerNorm")
+        package = families.get(family.lower().replace("_", ""))
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}") if package else None
+        cls = getattr(module, name, None)
+        if cls is None:
+            continue  # not in this transformers version
+        spec = norm_spec(cls(32))
+        assert spec.unsupported is None and (spec.formula.kind, spec.formula.weight) == (kind, weight), name
+        checked.append(name)
+    print(f"\n{len(checked)} of {len(KNOWN_NORMS)} known classes found and confirmed")
+    assert "LlamaRMSNorm" in checked and "GemmaRMSNorm" in checked
