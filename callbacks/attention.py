@@ -1,9 +1,9 @@
 """``AttentionMonitor``: logit size, softmax entropy and collapse of every attention layer, live.
 
-PAPER.md's claim for phasor attention is that a QK-norm keeps large-magnitude outliers from
-saturating the softmax ("softmax collapse"). This monitor shows it during training: on
-logging steps only, it captures the per-head queries and keys that enter each attention
-layer's logits (hooks on the layer's ``q_norm``/``k_norm``, see
+The paper's claim for phasor attention (``docs/method.md#phasor-attention-qk-norm``) is that a
+QK-norm keeps large-magnitude outliers from saturating the softmax ("softmax collapse"). This
+monitor shows it during training: on logging steps only, it captures the per-head queries and
+keys that enter each attention layer's logits (hooks on the layer's ``q_norm``/``k_norm``, see
 :mod:`lightning_mrs.swap.attention`), recomputes the logits of a bounded sample of queries
 (fused attention never materialises them) and logs their size, the softmax entropy and the
 share of collapsed attention rows (:mod:`lightning_mrs.attention_stats` defines every figure).
@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
+from lightning_mrs.callbacks.capture import reduce_over_ranks
 from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
@@ -73,18 +74,6 @@ def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
     if getattr(module, "rope", None) is not None or type(module).__name__ in _ROPE_CLASSES:
         terms.append("rotary embeddings (when the model passes them)")
     return " and ".join(terms) or None
-
-
-def _reduce(strategy: Any, flat: torch.Tensor, op: str) -> torch.Tensor:
-    """``op`` (``"sum"`` or ``"max"``) over ranks through ``strategy.reduce``; a strategy that
-    only sums (XLA) gives the maximum through one ``all_gather`` instead."""
-    if op == "sum":
-        return strategy.reduce(flat, reduce_op="sum")
-    try:
-        return strategy.reduce(flat, reduce_op=torch.distributed.ReduceOp.MAX if torch.distributed.is_available()
-                               else "max")
-    except ValueError:
-        return strategy.all_gather(flat).reshape(-1, flat.numel()).amax(dim=0)  # (world, n) -> (n,)
 
 
 class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
@@ -229,6 +218,6 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     # ------------------------------------------------------------------ reduce + log
     @override
     def _finish(self, trainer: pl.Trainer, capture: AttentionCapture) -> None:
-        sums = capture.reduced(partial(_reduce, trainer.strategy))
+        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
         metrics = step_metrics(capture.layers, sums)
         self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])

@@ -1,8 +1,8 @@
-"""The package's import graph: no cycle anywhere, and a core that needs only torch.
+"""The project's import graph: no cycle anywhere, and a core that needs only torch.
 
-Every ``import`` of a lightning_mrs module is collected from the source, module-level and
-function-level alike (a lazy import that closes a cycle is still a cycle), and the callbacks
-folder is read as ``lightning_mrs.callbacks``, the name it installs under.
+Every ``import`` of a project module (the package, its callbacks, the recipes) is collected from
+the source, module-level and function-level alike (a lazy import that closes a cycle is still a
+cycle); the callbacks folder is read as ``lightning_mrs.callbacks``, the name it installs under.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from helpers import ROOT
 
-SOURCES = {"lightning_mrs": ROOT / "lightning_mrs", "lightning_mrs.callbacks": ROOT / "callbacks"}
+SOURCES = {"lightning_mrs": ROOT / "lightning_mrs", "lightning_mrs.callbacks": ROOT / "callbacks",
+           "recipes": ROOT / "recipes"}
 
 
 def _modules() -> dict[str, Path]:
@@ -27,7 +28,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, module: str, known: set[str]) -> set[str]:
-    """The lightning_mrs modules ``module`` imports (``from pkg import sub`` counts as ``sub``)."""
+    """The project modules ``module`` imports (``from pkg import sub`` counts as ``sub``)."""
     is_package = path.name == "__init__.py"
     base = module if is_package else module.rpartition(".")[0]
     targets: set[str] = set()
@@ -90,17 +91,20 @@ def test_the_graph_is_read_from_every_module() -> None:
     graph = _graph()
     assert "lightning_mrs.ops.function" in graph and "lightning_mrs.callbacks.norm_swap" in graph
     assert "lightning_mrs.ops.reference" in graph["lightning_mrs.ops.function"]
+    assert "recipes.sweeps.claims.engine" in graph["recipes.sweeps.norm"]  # the recipes, subpackages too
+    assert "recipes.sweeps.records" in graph["recipes.sweeps.claims.engine"]
+    assert "recipes.classifier" in graph["recipes.cifar100"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the search works
 
 
-def test_no_import_cycle_in_the_package() -> None:
+def test_no_import_cycle_anywhere() -> None:
     # a package's __init__ re-exporting its modules is not a cycle unless a module imports it back
     assert _cycle(_graph()) == []
 
 
 def test_the_core_imports_no_lightning() -> None:
     for name, path in _modules().items():
-        if name.startswith("lightning_mrs.callbacks"):
+        if name.startswith(("lightning_mrs.callbacks", "recipes")):
             continue
         assert not _roots(path) & {"lightning", "pytorch_lightning", "torchmetrics"}, name
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from helpers import ROOT
 from helpers.scripts import run_script
-from recipes.cifar100 import CifarClassifier, build_model, default_precision
+from recipes.classifier import ImageClassifier, default_precision
+from recipes.models import build_model
 from recipes.errors import UsageError
 
 SCRIPT = ROOT / "recipes" / "cifar100.py"
@@ -67,7 +68,7 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     from lightning_mrs import MRSNorm2d
 
     path = run / "checkpoints" / "last.ckpt"
-    model = CifarClassifier.load_from_checkpoint(path, map_location="cpu")
+    model = ImageClassifier.load_from_checkpoint(path, map_location="cpu")
     assert model.hparams.norm == "mrs" and model.hparams.arch == "timm:test_resnet"
     assert any(isinstance(m, MRSNorm2d) for m in model.modules())
     assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
@@ -198,7 +199,7 @@ def test_imagenet_stem_kept_on_request_and_non_resnets_untouched() -> None:
 )
 def test_bad_options_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(UsageError, match=match):
-        CifarClassifier(**{"arch": "timm:test_resnet", **kwargs})
+        ImageClassifier(**{"arch": "timm:test_resnet", **kwargs})
 
 
 class _FixedLogits(nn.Module):
@@ -227,7 +228,7 @@ def test_accuracy_is_plain_micro_accuracy() -> None:
     per_class = [(logits.argmax(1) == y)[y == c].double().mean() for c in y.unique()]
     assert abs(top1 - torch.stack(per_class).mean()) > 0.05  # the data tells the two apart
 
-    model = CifarClassifier(arch="timm:test_resnet", norm="batch", num_classes=k)
+    model = ImageClassifier(arch="timm:test_resnet", norm="batch", num_classes=k)
     model.model = _FixedLogits(logits)
     x = torch.zeros(11, 3, 8, 8)
     with pytest.warns(UserWarning, match="self.log"):  # no trainer: logging is skipped, metrics update
@@ -242,7 +243,7 @@ def test_accuracy_is_plain_micro_accuracy() -> None:
 
 
 def test_batch_norm_means_no_swap() -> None:
-    model = CifarClassifier(arch="timm:test_resnet", norm="batch")
+    model = ImageClassifier(arch="timm:test_resnet", norm="batch")
     assert model.swap_report is None
     assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) > 0
 

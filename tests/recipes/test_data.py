@@ -13,7 +13,8 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from recipes.cifar100 import CifarCLI, CifarClassifier
+from recipes.cifar100 import CifarCLI
+from recipes.classifier import ImageClassifier
 from recipes.data import ImageDataModule
 from recipes.datasets import digits_images, stratified_split
 from recipes.errors import UsageError
@@ -200,7 +201,7 @@ def test_head_is_sized_to_the_data(dataset: str, classes: int, tmp_path: Path, m
     monkeypatch.setattr(sys, "argv", ["cifar100.py"])  # pytest's own arguments are not the CLI's
     for c in range(4):
         _write_images(tmp_path / f"k{c}", 2)
-    cli = CifarCLI(CifarClassifier, ImageDataModule, run=False, args=[
+    cli = CifarCLI(ImageClassifier, ImageDataModule, run=False, args=[
         "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--model.arch", "timm:test_resnet",
         "--data.dataset", dataset, "--data.root", str(tmp_path), "--trainer.default_root_dir", str(tmp_path / "r")])
     assert cli.model.hparams.num_classes == classes

@@ -14,9 +14,10 @@ from torch import nn
 
 from helpers import ROOT
 from lightning_mrs import MRSNorm
-from recipes.cifar100 import CifarClassifier, build_cli, run
+from recipes.cifar100 import build_cli, run
+from recipes.classifier import ImageClassifier
 from recipes.errors import UsageError
-from recipes.stress_sweeps import VIT_CIFAR, VIT_DIGITS
+from recipes.sweeps.qk import VIT_CIFAR, VIT_DIGITS
 
 VIT = "timm:vit_tiny_patch16_224"
 SMALL = {**VIT_DIGITS, "depth": 2}  # the digits ViT with 2 blocks: 8x8 inputs, 4 heads of width 16
@@ -33,8 +34,8 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _vit(**kwargs: object) -> CifarClassifier:
-    return CifarClassifier(arch=VIT, arch_kwargs=SMALL, num_classes=10, **kwargs)  # type: ignore[arg-type]
+def _vit(**kwargs: object) -> ImageClassifier:
+    return ImageClassifier(arch=VIT, arch_kwargs=SMALL, num_classes=10, **kwargs)  # type: ignore[arg-type]
 
 
 def _attention(model: nn.Module) -> list[nn.Module]:
@@ -75,7 +76,7 @@ def test_body_and_qk_norms_chosen_apart() -> None:
 
 
 def test_optimizer_defaults_resolved_into_hparams() -> None:
-    sgd = CifarClassifier(arch="timm:test_resnet", norm="batch")
+    sgd = ImageClassifier(arch="timm:test_resnet", norm="batch")
     assert (sgd.hparams.lr, sgd.hparams.weight_decay, sgd.hparams.momentum, sgd.hparams.nesterov, sgd.hparams.betas) \
         == (0.1, 5e-4, 0.9, True, None)
     adamw = _vit(norm="batch", optimizer="adamw")
@@ -84,7 +85,7 @@ def test_optimizer_defaults_resolved_into_hparams() -> None:
     assert _vit(optimizer="adamw", lr=3e-3, betas=(0.9, 0.95)).hparams.betas == (0.9, 0.95)
     # what a checkpoint stores rebuilds the same model (load_from_checkpoint calls __init__ with it)
     for model in (sgd, _vit(norm="batch", qk_norm="mrs", optimizer="adamw")):
-        again = CifarClassifier(**model.hparams)
+        again = ImageClassifier(**model.hparams)
         again.load_state_dict(model.state_dict())  # strict: the same parameters, QK-norms included
         assert dict(again.hparams) == dict(model.hparams)
 
@@ -120,7 +121,7 @@ def test_adamw_decays_weight_matrices_only(one_thread: None) -> None:
 def test_sgd_decays_every_parameter() -> None:
     from recipes.optim import build_optimizer
 
-    model = CifarClassifier(arch="timm:test_resnet", norm="batch")
+    model = ImageClassifier(arch="timm:test_resnet", norm="batch")
     opt = build_optimizer("sgd", model.model, model.parameters(), lr=0.1, weight_decay=5e-4, momentum=0.9,
                           nesterov=True)
     (group,) = opt.param_groups
@@ -142,11 +143,11 @@ def test_bad_vit_options_are_named(kwargs: dict, match: str) -> None:
 
 def test_qk_norm_needs_attention_that_can_take_it() -> None:
     with pytest.raises(UsageError, match="has no attention layer"):
-        CifarClassifier(arch="timm:test_resnet", norm="batch", qk_norm="mrs")
+        ImageClassifier(arch="timm:test_resnet", norm="batch", qk_norm="mrs")
     odd = {**SMALL, "embed_dim": 60}  # 4 heads of width 15: MRSNorm pairs channels
     with pytest.raises(UsageError, match=r"no mrs QK-norm in 2 of 2 attention layers .*odd head_dim 15"):
-        CifarClassifier(arch=VIT, arch_kwargs=odd, norm="batch", qk_norm="mrs")
-    CifarClassifier(arch=VIT, arch_kwargs=odd, norm="batch", qk_norm="rms")  # RMSNorm takes any width
+        ImageClassifier(arch=VIT, arch_kwargs=odd, norm="batch", qk_norm="mrs")
+    ImageClassifier(arch=VIT, arch_kwargs=odd, norm="batch", qk_norm="rms")  # RMSNorm takes any width
 
 
 def _config(name: str) -> dict:

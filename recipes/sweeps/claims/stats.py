@@ -1,4 +1,4 @@
-"""Confidence intervals over seeds and the three-valued verdict the stress report's claims rest on.
+"""Confidence intervals over seeds and the three-valued verdict every sweep's claims rest on.
 
 Every interval is two-sided at ``level`` and computed from per-seed values:
 

@@ -1,21 +1,21 @@
-"""One cell of a stress sweep: train ``CifarClassifier`` once and return its record.
+"""One cell of a stress sweep: train ``ImageClassifier`` once and return its record.
 
-The ``norm`` sweep's arm is the body norm (SGD); the ``qk`` sweep's is the QK-norm of a ViT whose
-own norms stay (AdamW), and its record adds the AttentionMonitor's extremes over training.
-
-Imported by ``stress.py`` only when there are cells to run (torch and Lightning load here).
-A cell whose training loss turns non-finite stops there and counts as chance accuracy from that
-step on: its final top-1 is ``1 / num_classes`` and its best top-1 the best validation before
-the divergence (at least chance).
+The sweep kind (``args.sweep``) says what the arm sets in the model, which monitors the cell needs
+and what it measures from their logs. Imported only when there are cells to run (torch and
+Lightning load here). A cell whose training loss turns non-finite stops there and counts as chance
+accuracy from that step on: its final top-1 is ``1 / num_classes`` and its best top-1 the best
+validation before the divergence (at least chance).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import math
 import shutil
-import sys
+import signal
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -28,15 +28,14 @@ from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_mrs.callbacks import GradientHomogeneityMonitor
-from recipes.cifar100 import CifarClassifier, ValidateAtEnd, default_precision
+from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
-from recipes.errors import UsageError, report
-from recipes.stress_sweeps import ATTENTION_QUERIES
+from recipes.errors import UsageError
+from recipes.models import build_model as build_network, input_size
+from recipes.sweeps.series import thin
+from recipes.sweeps.settings import SPLIT_SEED, VAL_FRACTION
 
-__all__ = ["DivergenceStop", "MemoryLogger", "check_data", "counted_top1", "run_cell"]
-
-_MAX_CURVE_POINTS = 400
+__all__ = ["DivergenceStop", "MemoryLogger", "arch_kwargs", "build_model", "counted_top1", "datamodule", "run_cell"]
 
 
 class MemoryLogger(Logger):
@@ -95,9 +94,8 @@ class DivergenceStop(Callback):
             trainer.should_stop = True
 
 
-def _datamodule(args: argparse.Namespace, batch_size: int) -> ImageDataModule:
-    from recipes.stress import SPLIT_SEED, VAL_FRACTION
-
+def datamodule(args: argparse.Namespace, batch_size: int) -> ImageDataModule:
+    """The cell's data: the sweep's dataset, split and size at ``batch_size``."""
     return ImageDataModule(
         dataset=args.dataset, root=args.root, batch_size=batch_size, image_size=args.image_size,
         val_fraction=VAL_FRACTION, split_seed=SPLIT_SEED,
@@ -106,12 +104,43 @@ def _datamodule(args: argparse.Namespace, batch_size: int) -> ImageDataModule:
     )
 
 
-def check_data(args: argparse.Namespace) -> None:
-    """Check (download) the dataset once before the grid; a user mistake exits 2 with one line."""
+@functools.lru_cache(maxsize=8)
+def _sized(arch: str, kwargs_json: str, cifar_stem: bool, image_size: int) -> str:
+    kwargs = json.loads(kwargs_json)
+    if kwargs is not None and ("img_size" in kwargs or "image_size" in kwargs):
+        return kwargs_json  # the user's size: check_cells compares it with --image-size
+    first = build_network(arch, 10, cifar_stem, kwargs)
+    size = input_size(first)
+    if size is None or tuple(size) == (image_size, image_size):
+        return kwargs_json
+    key = "img_size" if hasattr(first, "patch_embed") else "image_size"  # timm's name, torchvision's
+    sized = {**(kwargs or {}), key: image_size}
     try:
-        _datamodule(args, 1).prepare_data()
+        model = build_network(arch, 10, cifar_stem, sized)
     except UsageError as err:
-        sys.exit(report(err))
+        raise UsageError(f"--arch {arch!r} takes {size[0]}x{size[1]} images and cannot be built for --image-size "
+                         f"{image_size} ({err}): pass --arch-kwargs with a fitting size (and patch size) or another "
+                         "--image-size.") from None
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if patch is not None and max(patch) > image_size:
+        raise UsageError(f"--arch {arch!r} cuts {patch[0]}x{patch[1]} patches, larger than --image-size {image_size}: "
+                         f"pass --arch-kwargs '{{\"patch_size\": {max(1, image_size // 4)}}}' or a larger --image-size.")
+    return json.dumps(sized)
+
+
+def arch_kwargs(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """``--arch-kwargs``, with the input size set from ``--image-size`` for a model that takes one fixed size
+    (a ViT) when none is given."""
+    return json.loads(_sized(args.arch, json.dumps(args.arch_kwargs), args.cifar_stem, args.image_size))
+
+
+def build_model(args: argparse.Namespace, arm: str, lr: float, num_classes: int) -> ImageClassifier:
+    """The classifier of one arm (the kind says which arguments the arm sets)."""
+    sweep = args.sweep
+    common = dict(arch=args.arch, lr=lr, weight_decay=args.weight_decay, optimizer=sweep.optimizer,
+                  warmup_frac=args.warmup_frac, schedule=args.schedule, num_classes=num_classes,
+                  mrs_backend=args.mrs_backend, arch_kwargs=arch_kwargs(args), cifar_stem=args.cifar_stem)
+    return ImageClassifier(**{**common, **sweep.model_arms(arm)})  # the arm's setting wins
 
 
 def counted_top1(val: list[tuple[int, float]], divergence_step: Optional[int],
@@ -130,49 +159,18 @@ def counted_top1(val: list[tuple[int, float]], divergence_step: Optional[int],
     return [(s, v) for s, v in val if s < divergence_step] + [(divergence_step, chance)]
 
 
-def _thin(points: list[tuple[int, float]], limit: int = _MAX_CURVE_POINTS) -> list[list[float]]:
-    stride = max(1, math.ceil(len(points) / limit))
-    kept = points[::stride]
-    if points and kept[-1] != points[-1]:
-        kept.append(points[-1])  # keep the last point: where the run ended (or diverged)
-    return [[s, v] for s, v in kept]
-
-
-def _finite_mean(points: list[tuple[int, float]]) -> Optional[float]:
-    values = [v for _, v in points if math.isfinite(v)]
-    return sum(values) / len(values) if values else None
-
-
-def _extreme(points: list[tuple[int, float]], pick: Any) -> Optional[float]:
-    values = [v for _, v in points if math.isfinite(v)]
-    return pick(values) if values else None
-
-
-def _model(args: argparse.Namespace, arm: str, lr: float, num_classes: int) -> CifarClassifier:
-    sweep = args.sweep
-    arms = {"norm": arm} if sweep.arm == "norm" else {"norm": "batch", sweep.arm: arm}  # batch: the model's own
-    return CifarClassifier(arch=args.arch, lr=lr, weight_decay=args.weight_decay, optimizer=sweep.optimizer,
-                           warmup_frac=args.warmup_frac, schedule=args.schedule, num_classes=num_classes,
-                           mrs_backend=args.mrs_backend, arch_kwargs=args.arch_kwargs, cifar_stem=args.cifar_stem,
-                           **arms)
-
-
-def _monitors(args: argparse.Namespace) -> list[Callback]:
-    monitors: list[Callback] = [GradientHomogeneityMonitor(log_every_n_steps=args.log_every, on_nonfinite="ignore")]
-    if args.sweep.arm == "qk_norm":
-        from lightning_mrs.callbacks import AttentionMonitor
-
-        monitors.append(AttentionMonitor(log_every_n_steps=args.log_every, max_queries=ATTENTION_QUERIES))
-    return monitors
-
-
-def _attention(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
-    """The AttentionMonitor's extremes over the logged training steps (finite values: before any divergence)."""
-    return {
-        "max_logit": _extreme(history.get("attention/all/logit_max", []), max),
-        "min_entropy": _extreme(history.get("attention/all/entropy_min", []), min),
-        "max_collapsed_frac": _extreme(history.get("attention/all/collapsed_frac", []), max),
-    }
+def _fit(trainer: pl.Trainer, model: ImageClassifier, dm: ImageDataModule) -> None:
+    """``trainer.fit``, with Ctrl-C raised as ``KeyboardInterrupt`` (Lightning turns it into ``exit(1)``)."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit(model, datamodule=dm)
+    except SystemExit:
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if signal.getsignal(signal.SIGINT) is not handler:  # Lightning ignores further Ctrl-C during its shutdown
+            signal.signal(signal.SIGINT, handler)
 
 
 def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: float, batch_size: int,
@@ -184,8 +182,8 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     pl.seed_everything(seed, workers=True, verbose=False)
 
-    dm = _datamodule(args, batch_size)
-    model = _model(args, arm, lr, dm.num_classes)
+    dm = datamodule(args, batch_size)
+    model = build_model(args, arm, lr, dm.num_classes)
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
         shutil.rmtree(tb_dir)
@@ -200,7 +198,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
         max_epochs=args.epochs if args.epochs is not None else -1,
         max_steps=args.max_steps if args.max_steps is not None else -1,
         logger=[tb, memory],
-        callbacks=[*_monitors(args), divergence, ValidateAtEnd()],
+        callbacks=[*args.sweep.monitors(args), divergence, ValidateAtEnd()],
         log_every_n_steps=args.log_every,
         val_check_interval=args.val_every,
         check_val_every_n_epoch=None if args.val_every else 1,
@@ -211,30 +209,26 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
         enable_progress_bar=args.progress,
         default_root_dir=str(out),
     )
-    trainer.fit(model, datamodule=dm)
+    _fit(trainer, model, dm)
 
     diverged_at = divergence.divergence_step
-    val = counted_top1(memory.history.get("val/top1", []), diverged_at, 1.0 / dm.num_classes)
+    history = memory.history
+    val = counted_top1(history.get("val/top1", []), diverged_at, 1.0 / dm.num_classes)
     tops = [v for _, v in val if math.isfinite(v)]
     losses = divergence.losses
-    history = memory.history
-    record = {
-        "cell": name, args.sweep.arm: arm, "lr": lr, "batch_size": batch_size, "seed": seed,
+    metrics, curves = args.sweep.measure(history)
+    return {
+        "cell": name, args.sweep.arm_column: arm, "lr": lr, "batch_size": batch_size, "seed": seed,
         "arch": args.arch, "dataset": args.dataset, "num_classes": dm.num_classes,
         "steps": trainer.global_step,
         "planned_steps": int(trainer.estimated_stepping_batches),
         "best_top1": max(tops, default=math.nan),
         "final_top1": val[-1][1] if val else math.nan,
-        "final_val_loss": (memory.history.get("val/loss") or [(0, math.nan)])[-1][1],
+        "final_val_loss": (history.get("val/loss") or [(0, math.nan)])[-1][1],
         "final_train_loss": losses[-1][1] if losses else math.nan,
         "diverged": diverged_at is not None,
         "divergence_step": diverged_at,
-        "mean_grad_cv": _finite_mean(memory.history.get("phasor/all/grad_cv", [])),
-        "mean_starved_frac": _finite_mean(memory.history.get("phasor/all/starved_frac", [])),
+        **metrics,
         "tb_run": str(Path("tb") / name),
-        "curves": {"train_loss": _thin(losses), "val_top1": [[s, v] for s, v in val]},
+        "curves": {"train_loss": thin(losses), "val_top1": [[s, v] for s, v in val], **curves},
     }
-    if args.sweep.arm == "qk_norm":
-        record.update(_attention(history))
-        record["curves"]["logit_max"] = _thin(history.get("attention/all/logit_max", []))
-    return record

@@ -8,30 +8,33 @@ from typing import Callable, Optional
 import pytest
 from scipy import stats
 
-from recipes import stress_claims as sc
-from recipes.stress_claims_text import claims_section
-from recipes.stress_cell import counted_top1
-from recipes.stress_stats import Interval, mean_interval, variance_ratio_interval, verdict, welch_interval
-from recipes.stress_summary import robustness
+from recipes.sweeps.cell import counted_top1
+from recipes.sweeps.claims import engine as sc
+from recipes.sweeps.claims.markdown import markdown
+from recipes.sweeps.claims.stats import Interval, mean_interval, variance_ratio_interval, verdict, welch_interval
+from recipes.sweeps.norm import NORM, claims
+from recipes.sweeps.records import Row
+from recipes.sweeps.robustness import robustness
 
 LRS = (0.03, 0.1, 0.3, 0.4, 1.0, 3.0)
 GOOD = (0.970, 0.971, 0.972)  # a norm that trains, three seeds (sd 0.001)
 Acc = Callable[[str, float, int, int], Optional[float]]  # None: the seed diverged at step 2
 
 
-def _table(acc: Acc, seeds: tuple[int, ...] = (0, 1, 2), lrs: tuple[float, ...] = LRS) -> list[dict]:
+def _table(acc: Acc, seeds: tuple[int, ...] = (0, 1, 2), lrs: tuple[float, ...] = LRS,
+           norms: tuple[str, ...] = ("layer", "rms", "mrs", "batch")) -> list[Row]:
     rows = []
-    for norm in ("layer", "rms", "mrs", "batch"):
+    for norm in norms:
         for lr in lrs:
             for bs in (32, 64, 128):
                 for seed in seeds:
                     a = acc(norm, lr, bs, seed)
-                    rows.append({
-                        "norm": norm, "lr": lr, "batch_size": bs, "seed": seed, "num_classes": 10,
-                        "final_top1": 0.1 if a is None else a, "best_top1": 0.1 if a is None else a,
-                        "diverged": a is None, "divergence_step": 2 if a is None else None, "planned_steps": 400,
-                        "mean_grad_cv": None if a is None else (0.30 if norm == "mrs" else 0.50) + 0.001 * seed,
-                    })
+                    rows.append(Row(
+                        norm, lr, bs, seed, num_classes=10,
+                        final_top1=0.1 if a is None else a, best_top1=0.1 if a is None else a,
+                        diverged=a is None, divergence_step=2 if a is None else None, planned_steps=400,
+                        metrics={"mean_grad_cv": None if a is None else (0.30 if norm == "mrs" else 0.50) + 0.001 * seed},
+                    ))
     return rows
 
 
@@ -42,8 +45,12 @@ def _paper_like(norm: str, lr: float, bs: int, seed: int) -> Optional[float]:
     return GOOD[seed]
 
 
-def _verdicts(rows: list[dict]) -> dict[str, sc.Claim]:
-    return {c.key: sc.evaluate(c) for c in sc.claims(rows)}
+def _verdicts(rows: list[Row]) -> dict[str, sc.Claim]:
+    return {c.key: sc.evaluate(c) for c in claims(rows)}
+
+
+def claims_section(rows: list[Row]) -> list[str]:
+    return markdown([sc.evaluate(c) for c in claims(rows)], NORM.rule)
 
 
 # ----------------------------------------------------------------------------- intervals
@@ -98,20 +105,20 @@ def test_counted_top1_is_chance_from_the_divergence_on() -> None:
 def test_robustness_sensitivity_and_breaking_point() -> None:
     curve = {0.03: 0.80, 0.1: 0.90, 0.3: 0.85, 0.4: 0.50, 1.0: None, 3.0: 0.05}  # None: diverged -> chance
     rows = _table(lambda n, lr, bs, s: curve[lr] if n == "mrs" else GOOD[s])
-    mrs = next(r for r in robustness(rows) if r["norm"] == "mrs" and r["batch_size"] == 64)
+    mrs = next(r for r in robustness(rows) if r.arm == "mrs" and r.batch_size == 64)
     floored = [0.80, 0.90, 0.85, 0.50, 0.10, 0.10]  # 0.05 is below chance: floored
-    assert mrs["lr_sensitivity"] == pytest.approx(sum(0.90 - a for a in floored) / 6)
-    assert mrs["lr_sensitivity_sd"] == pytest.approx(0.0)
-    assert mrs["max_lr_90"] == 0.3 and mrs["best_lr"] == 0.1 and mrs["best_top1"] == pytest.approx(0.90)
-    flat = next(r for r in robustness(rows) if r["norm"] == "layer" and r["batch_size"] == 32)
-    assert flat["lr_sensitivity"] == pytest.approx(0.0) and flat["max_lr_90"] == 3.0
+    assert mrs.lr_sensitivity == pytest.approx(sum(0.90 - a for a in floored) / 6)
+    assert mrs.lr_sensitivity_sd == pytest.approx(0.0)
+    assert mrs.max_lr_90 == 0.3 and mrs.best_lr == 0.1 and mrs.best_top1 == pytest.approx(0.90)
+    flat = next(r for r in robustness(rows) if r.arm == "layer" and r.batch_size == 32)
+    assert flat.lr_sensitivity == pytest.approx(0.0) and flat.max_lr_90 == 3.0
 
 
 def test_robustness_marks_a_missing_learning_rate_incomplete() -> None:
-    rows = [r for r in _table(_paper_like) if not (r["norm"] == "rms" and r["lr"] == 1.0)]
-    by = {(r["norm"], r["batch_size"]): r for r in robustness(rows)}
-    assert not by[("rms", 32)]["complete"] and by[("rms", 32)]["lr_sensitivity"] is None
-    assert by[("mrs", 32)]["complete"] and by[("mrs", 32)]["seeds"] == 3
+    rows = [r for r in _table(_paper_like) if not (r.arm == "rms" and r.lr == 1.0)]
+    by = {(r.arm, r.batch_size): r for r in robustness(rows)}
+    assert not by[("rms", 32)].complete and by[("rms", 32)].lr_sensitivity is None
+    assert by[("mrs", 32)].complete and by[("mrs", 32)].seeds == 3
 
 
 # ----------------------------------------------------------------------------- claims
@@ -135,8 +142,8 @@ def test_claims_on_a_table_with_known_answers() -> None:
 def test_contradicted_mechanism() -> None:
     rows = _table(_paper_like)
     for r in rows:
-        if r["norm"] == "mrs":
-            r["mean_grad_cv"] = 0.9 + 0.001 * r["seed"]  # MRSNorm's spread is higher
+        if r.arm == "mrs":
+            r.metrics["mean_grad_cv"] = 0.9 + 0.001 * r.seed  # MRSNorm's spread is higher
     claim = _verdicts(rows)["M"]
     assert claim.verdict == "contradicted" and "lr 0.1, batch 32: mrs - layer" in claim.why
 
@@ -145,8 +152,8 @@ def test_mechanism_leaves_out_collapsed_runs() -> None:
     """A baseline that collapsed with a finite loss and vanished gradients (grad_cv 0) is not "more even"."""
     rows = _table(_paper_like)
     for r in rows:
-        if r["diverged"]:
-            r.update(diverged=False, divergence_step=None, final_top1=0.1, mean_grad_cv=0.0)
+        if r.diverged:
+            r.diverged, r.divergence_step, r.final_top1, r.metrics["mean_grad_cv"] = False, None, 0.1, 0.0
     claim = _verdicts(rows)["M"]
     assert claim.verdict == "supported" and "12 not measurable" in claim.why
 

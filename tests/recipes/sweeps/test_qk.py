@@ -11,13 +11,12 @@ import pytest
 
 from helpers import ROOT
 from helpers.scripts import results_rows, run_script
-from recipes import stress, stress_claims as sc
-from recipes.stress_args import parse_args
-from recipes.stress_claims_qk import HIGH_LR_MIN, claims
-from recipes.stress_figure import qk_figure
-from recipes.stress_rows import read_csv
-from recipes.stress_summary import robustness
-from recipes.stress_sweeps import QK
+from recipes import stress
+from recipes.stress import parse_args
+from recipes.sweeps.claims import engine as sc
+from recipes.sweeps.qk import HIGH_LR_MIN, QK, claims, figure as qk_figure
+from recipes.sweeps.records import Row, read_csv
+from recipes.sweeps.robustness import robustness
 
 TINY = ["--sweep", "qk", "--dataset", "digits", "--qk-norms", "none", "mrs", "--lrs", "0.03", "--batch-sizes", "16",
         "--max-steps", "3", "--log-every", "1", "--seeds", "0", "--jobs", "1", "--mrs-backend", "eager"]
@@ -50,23 +49,22 @@ def test_tiny_qk_sweep_end_to_end(tmp_path: Path) -> None:
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the figure: top-1 and max attention logit (log scale) against lr, one line per QK-norm
-    rows = read_csv(out / "results.csv")
+    rows = read_csv(out / "results.csv", QK.arm_column, QK.metric_columns)
     (top, logit), = qk_figure(rows, tmp_path / "again.png")
     assert "top-1" in top.get_title() and "attention logit" in logit.get_title() and logit.get_yscale() == "log"
     for ax, key, scale in ((top, "final_top1", 100), (logit, "max_logit", 1)):
         lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if line.get_label()[0] != "_"}
-        assert lines == {r["qk_norm"]: [pytest.approx(scale * r[key], rel=1e-5)] for r in rows}
+        assert lines == {r.arm: [pytest.approx(scale * r.value(key, QK.arm_column), rel=1e-5)] for r in rows}
 
 
-def _row(qk: str, lr: float, seed: int, logit: float, entropy: float, top1: float, diverged: bool = False
-         ) -> dict[str, Any]:
-    return {"qk_norm": qk, "lr": lr, "batch_size": 64, "seed": seed, "num_classes": 10, "final_top1": top1,
-            "diverged": diverged, "divergence_step": 5 if diverged else None, "planned_steps": 100,
-            "max_logit": logit, "min_entropy": entropy}
+def _row(qk: str, lr: float, seed: int, logit: float, entropy: float, top1: float, diverged: bool = False) -> Row:
+    return Row(qk, lr, 64, seed, num_classes=10, final_top1=top1, diverged=diverged,
+               divergence_step=5 if diverged else None, planned_steps=100,
+               metrics={"max_logit": logit, "min_entropy": entropy})
 
 
 def _table(mrs_logit: Callable[[float], float] = lambda lr: 5.0, diverged_none_at: float = -1.0
-           ) -> list[dict[str, Any]]:
+           ) -> list[Row]:
     """none: logits grow 10x per decade of lr, entropy and accuracy fall; layer and mrs stay bounded."""
     rows = []
     for lr in (0.001, 0.01, 0.1):
@@ -80,7 +78,7 @@ def _table(mrs_logit: Callable[[float], float] = lambda lr: 5.0, diverged_none_a
     return rows
 
 
-def _verdicts(rows: list[dict[str, Any]]) -> dict[str, sc.Claim]:
+def _verdicts(rows: list[Row]) -> dict[str, sc.Claim]:
     return {c.key: sc.evaluate(c) for c in claims(rows)}
 
 
@@ -92,7 +90,7 @@ def test_qk_claims_supported_when_only_none_grows() -> None:
     outcomes = [o for _, group in verdicts["P1"].outcomes for o in group]
     assert [o.comparison.label for o in outcomes] == ["lr 0.01, batch 64: mrs - none", "lr 0.1, batch 64: mrs - none"]
     def log_mean(qk: str) -> float:
-        return statistics.fmean(math.log10(r["max_logit"]) for r in rows if r["qk_norm"] == qk and r["lr"] == 0.1)
+        return statistics.fmean(math.log10(r.metrics["max_logit"]) for r in rows if r.arm == qk and r.lr == 0.1)
 
     assert outcomes[1].interval.estimate == pytest.approx(log_mean("mrs") - log_mean("none"))
     assert HIGH_LR_MIN == 0.01  # the definition the report states
@@ -112,17 +110,14 @@ def test_diverged_seeds_leave_logit_comparisons_out() -> None:
     assert verdicts["P1"].verdict == "supported" and "1 not measurable, left out" in verdicts["P1"].why
 
 
-def test_lr_sensitivity_per_qk_norm_is_the_norm_sweeps() -> None:
-    """The robustness summary by QK-norm is the norm sweep's, applied to another column."""
-    rows = _table()
-    by_qk = {s["qk_norm"]: s for s in robustness(rows, by="qk_norm")}
-    relabelled = [{**{k: v for k, v in r.items() if k != "qk_norm"}, "norm": r["qk_norm"]} for r in rows]
-    by_norm = {s["norm"]: s for s in robustness(relabelled)}
-    assert by_qk.keys() == by_norm.keys() == {"none", "layer", "mrs"}
-    for arm, s in by_qk.items():
-        assert {k: v for k, v in s.items() if k != "qk_norm"} == {k: v for k, v in by_norm[arm].items() if k != "norm"}
+def test_lr_sensitivity_per_qk_norm() -> None:
+    """The robustness summary by QK-norm: the shared one, on the kind's arm."""
+    by_qk = {s.arm: s for s in robustness(_table())}
+    assert by_qk.keys() == {"none", "layer", "mrs"}
     # by hand for none, seed 0: accuracies 0.9, 0.55, 0.2 -> mean gap to the best (0.9) = (0 + 0.35 + 0.7) / 3
-    assert by_qk["none"]["per_seed_sensitivity"][0] == pytest.approx(0.35)
+    assert by_qk["none"].per_seed_sensitivity[0] == pytest.approx(0.35)
+    # layer, seed 1: 0.91, 0.86, 0.81 -> (0 + 0.05 + 0.1) / 3
+    assert by_qk["layer"].per_seed_sensitivity[1] == pytest.approx(0.05)
 
 
 def test_qk_defaults_and_help(capsys: pytest.CaptureFixture) -> None:
@@ -154,7 +149,8 @@ def test_qk_defaults_and_help(capsys: pytest.CaptureFixture) -> None:
     (["--sweep", "qk", "--qk-norms", "l2"], "--qk-norms: invalid choice: 'l2'"),
     (["--sweep", "qk", "--lrs", "0"], "--lrs must all be > 0"),
     (["--sweep", "qk", "--warmup-frac", "1"], "--warmup-frac must lie in [0, 1)"),
-    (["--sweep", "qk", "--image-size", "16"], "--image-size 16 does not fit the model's img_size 8"),
+    (["--sweep", "qk", "--image-size", "16", "--arch-kwargs", '{"img_size": 8}'],
+     "--image-size 16 does not fit the model's img_size 8"),
 ])
 def test_bad_qk_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture,
                           error_line: Callable[[int, str], str]) -> None:

@@ -15,8 +15,13 @@ import torch
 
 from helpers import ROOT
 from helpers.scripts import results_rows, run_script
-from recipes import stress, stress_report
-from recipes.stress_args import DATASET_DEFAULTS, GRID as DEFAULT_GRID
+from recipes import stress
+from recipes.sweeps.norm import NORM
+from recipes.sweeps.records import write_atomic
+from recipes.sweeps.report import write_outputs
+
+DATASET_DEFAULTS = NORM.datasets
+DEFAULT_GRID = {"norms": NORM.grid["arms"], **{k: v for k, v in NORM.grid.items() if k != "arms"}}
 
 SCRIPT = ROOT / "recipes" / "stress.py"
 GRID = ["--dataset", "digits", "--norms", "layer", "mrs", "--lrs", "0.1", "--batch-sizes", "16",
@@ -90,7 +95,7 @@ def test_rerun_with_other_settings_is_refused(tmp_path: Path, error_line: Callab
 def test_divergence_stops_the_cell_and_is_recorded() -> None:
     """A loss that turns NaN at step 3: the run stops there and the step is recorded."""
     import lightning.pytorch as pl
-    from recipes.stress_cell import DivergenceStop, MemoryLogger
+    from recipes.sweeps.cell import DivergenceStop, MemoryLogger
 
     class Bomb(pl.LightningModule):
         def __init__(self) -> None:
@@ -125,8 +130,8 @@ def test_table_aggregates_seeds_and_marks_divergence(tmp_path: Path) -> None:
     records = [record("mrs", 0, 0.5), record("mrs", 1, 0.7), record("rms", 0, 0.1, True, 7),
                record("rms", 1, 0.3)]
     for r in records:
-        stress_report.write_atomic(tmp_path / "cells" / f"{r['cell']}.json", json.dumps(r))
-    stress_report.write_outputs(tmp_path, {"max_steps": 10}, "python recipes/stress.py ...")
+        write_atomic(tmp_path / "cells" / f"{r['cell']}.json", json.dumps(r))
+    write_outputs(tmp_path, NORM, {"max_steps": 10}, "python recipes/stress.py ...")
     md = (tmp_path / "results.md").read_text()
     # mean and sample std over seeds, in %: (50, 70) -> 60 +- 14.14; (10 = chance, 30) -> 20 +- 14.14
     assert f"| 0.4 | 32 | mrs | 2 | 60.00 ± {math.sqrt(200):.2f} |" in md

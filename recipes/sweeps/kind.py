@@ -1,0 +1,114 @@
+"""What a sweep kind is: :class:`Sweep`, the one object the runner, the cells and the report ask.
+
+A kind owns everything that differs between sweeps: its arms and the model arguments of an arm,
+its grid and per-dataset defaults, the monitors its cells need and what it measures from their
+logs (its own ``results.csv`` columns), its claims with their wording, its per-cell table
+columns and its figure. The shared code never looks at a kind's name. A new kind is one module
+defining a :class:`Sweep` and one line in :mod:`recipes.sweeps.registry`.
+
+The behaviour fields are plain module-level functions, so a kind pickles by reference into the
+``--jobs`` worker processes. Needs no torch (a kind imports Lightning only inside ``monitors``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from recipes.sweeps.claims.engine import Claim
+from recipes.sweeps.records import Row
+
+__all__ = ["History", "Measured", "Sweep"]
+
+#: every metric a cell logged: ``history[name] = [(step, value), ...]``
+History = Mapping[str, Sequence[tuple[int, float]]]
+#: what a kind measures from a cell's history: its metric columns' values, and curves for the record
+Measured = tuple[dict[str, Any], dict[str, list[list[float]]]]
+
+
+def _nothing(args: argparse.Namespace) -> dict[str, Any]:
+    return {}
+
+
+def _no_note(record: Mapping[str, Any]) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One kind of stress sweep.
+
+    Attributes:
+        name: the ``--sweep`` value.
+        arm_column: what the sweep varies, as the record and ``results.csv`` column (e.g. ``norm``).
+        flag: the command-line option that lists the arms (e.g. ``--norms``).
+        arms: the valid arms, in table order.
+        arms_help: the option's help, without its default.
+        grid: the default axes: ``arms``, ``lrs``, ``batch_sizes``, ``seeds``.
+        quick: ``--quick``'s smaller axes, and its ``epochs`` per dataset.
+        datasets: per dataset, the model, input and budget defaults (``epochs`` None: required).
+        optimizer: ``sgd`` or ``adamw`` (``recipes/optim.py``).
+        weight_decay: the default ``--weight-decay``.
+        warmup_frac: the default ``--warmup-frac``.
+        optimizer_text: the optimizer as ``results.md`` states it.
+        help: what the sweep is, for ``--sweep``'s help.
+        model_arms: an arm -> the classifier's keyword arguments that set it.
+        monitors: the parsed arguments -> the Lightning callbacks a cell needs (imports Lightning).
+        measure: a cell's logged history -> its metric columns' values and curves to keep.
+        metric_columns: the kind's ``results.csv`` columns (between the shared ones and the cost).
+        table: the per-cell table's extra columns: (header, metric column).
+        table_note: what those columns mean.
+        claims: typed rows -> the kind's claims, not yet evaluated.
+        rule: the lines that open the "Claims" section (the decision rule and the kind's definitions).
+        figure: draw ``results.png`` from typed rows (atomically); returns the panels.
+        title: ``results.md``'s heading; arm_label: the arm in prose; plotted: what the figure shows.
+        cell_prefix: the cell id's prefix (ids of different kinds never collide).
+        out_stem: the default ``--out`` is ``runs/<out_stem>_<dataset>``.
+        extra_settings: the parsed arguments -> settings of this kind beyond the shared ones.
+        progress_note: a finished cell's record -> extra text for its progress line.
+    """
+
+    name: str
+    arm_column: str
+    flag: str
+    arms: tuple[str, ...]
+    arms_help: str
+    grid: dict[str, list[Any]]
+    quick: dict[str, Any]
+    datasets: dict[str, dict[str, Any]]
+    optimizer: str
+    weight_decay: float
+    warmup_frac: float
+    optimizer_text: str
+    help: str
+    model_arms: Callable[[str], dict[str, Any]]
+    monitors: Callable[[argparse.Namespace], list[Any]]
+    measure: Callable[[History], Measured]
+    metric_columns: tuple[str, ...]
+    table: tuple[tuple[str, str], ...]
+    table_note: str
+    claims: Callable[[list[Row]], list[Claim]]
+    rule: tuple[str, ...]
+    figure: Callable[[list[Row], Path], Any]
+    title: str
+    arm_label: str
+    plotted: str
+    cell_prefix: str = ""
+    out_stem: str = "stress"
+    extra_settings: Callable[[argparse.Namespace], dict[str, Any]] = field(default=_nothing)
+    progress_note: Callable[[Mapping[str, Any]], str] = field(default=_no_note)
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments that holds the arms (``--qk-norms`` -> ``qk_norms``)."""
+        return self.flag[2:].replace("-", "_")
+
+    def cell_name(self, arm: str, lr: float, batch_size: int, seed: int) -> str:
+        """The cell's id: its TensorBoard run name and the stem of its record file."""
+        return f"{self.cell_prefix}{arm}_lr{lr:g}_bs{batch_size}_seed{seed}"
+
+    def row(self, values: Mapping[str, Any]) -> Row:
+        """A typed row of this kind from a record or a CSV row."""
+        return Row.parse(values, self.arm_column, self.metric_columns)

@@ -1,0 +1,19 @@
+"""The sweep kinds ``--sweep`` knows, by name; the first is the default.
+
+A new kind: a module defining its :class:`~recipes.sweeps.kind.Sweep`, and one line here.
+"""
+
+from __future__ import annotations
+
+from recipes.sweeps.kind import Sweep
+from recipes.sweeps.norm import NORM
+from recipes.sweeps.qk import QK
+
+__all__ = ["DEFAULT", "SWEEPS"]
+
+SWEEPS: dict[str, Sweep] = {kind.name: kind for kind in (
+    NORM,
+    QK,
+)}
+#: the kind ``--sweep`` defaults to
+DEFAULT = NORM.name

@@ -1,0 +1,189 @@
+"""A sweep's outputs, rebuilt from ``cells/*.json`` after every cell.
+
+* ``results.csv``: one row per finished cell (the kind's columns, :func:`recipes.sweeps.records.columns`);
+* ``robustness.csv``: LR sensitivity and breaking point per arm and batch size (:mod:`recipes.sweeps.robustness`);
+* ``results.md``: setup, the claims' verdicts (the kind's claims, laid out by
+  :mod:`recipes.sweeps.claims.markdown`), the robustness tables and the per-cell table (mean ± sd over
+  seeds), all computed from ``results.csv``;
+* ``results.png``: the kind's figure.
+
+Needs no torch (a rerun with nothing to train stays fast); scipy for the intervals, matplotlib (Agg)
+for the figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+from recipes.sweeps import robustness as rb
+from recipes.sweeps.claims.engine import evaluate
+from recipes.sweeps.claims.markdown import markdown as claims_markdown
+from recipes.sweeps.claims.stats import MIN_SEEDS
+from recipes.sweeps.kind import Sweep
+from recipes.sweeps.records import Row, accuracy, arm_key, csv_text, load_records, read_csv, row_key, write_atomic
+
+__all__ = ["DATA_FILE", "verdict_command", "write_outputs"]
+
+#: what the data of the sweep were (classes, sizes), written when the cells' settings are checked
+DATA_FILE = "data.json"
+
+
+def _pct(values: list[float]) -> str:
+    """Mean ± sd (over seeds) in percent."""
+    finite = [100 * v for v in values if math.isfinite(v)]
+    if not finite:
+        return "nan"
+    mean = statistics.fmean(finite)
+    return f"{mean:.2f} ± {statistics.stdev(finite):.2f}" if len(finite) > 1 else f"{mean:.2f}"
+
+
+def _mean(values: list[Optional[float]]) -> str:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return f"{statistics.fmean(finite):.3g}" if finite else "-"
+
+
+def _axes(rows: list[Row], kind: Sweep) -> list[str]:
+    arms = sorted({r.arm for r in rows}, key=arm_key)
+    lrs = sorted({r.lr for r in rows})
+    return [f"- grid: {kind.arm_column.replace('_', '-')}s {' '.join(arms)}; learning rates "
+            f"{' '.join(f'{v:g}' for v in lrs)}; batch sizes {' '.join(str(b) for b in sorted({r.batch_size for r in rows}))}; "
+            f"seeds {' '.join(str(s) for s in sorted({r.seed for r in rows}))} ({len(rows)} cells finished)"]
+
+
+def _data(out: Path) -> list[str]:
+    path = out / DATA_FILE
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return []
+    classes = data.get("classes", [])
+    shown = ", ".join(classes[:12]) + (f", ... ({len(classes) - 12} more)" if len(classes) > 12 else "")
+    return [f"- data: {len(classes)} classes ({shown}); {data.get('train')} training and {data.get('val')} "
+            f"validation images" + (f" in `{data['root']}`" if data.get("root") else "")]
+
+
+def _cost(rows: list[Row]) -> list[str]:
+    wall = [r.wall_s for r in rows if r.wall_s is not None]
+    cpu = [r.cpu_s for r in rows if r.cpu_s is not None]
+    if not wall or not cpu:
+        return []
+    return [f"- cost per cell: {statistics.fmean(wall):.1f} s wall, {statistics.fmean(cpu):.1f} s of process CPU time "
+            f"(all cells: {sum(cpu) / 60:.1f} CPU minutes; --jobs runs several at once)"]
+
+
+def _cell_table(rows: list[Row], kind: Sweep) -> list[str]:
+    groups: dict[tuple, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[(r.lr, r.batch_size, r.arm)].append(r)
+    lines = [
+        "## Per cell",
+        "",
+        "Validation top-1 in %, mean ± sd over seeds (one seed: no ±); a diverged seed counts as chance from its "
+        "divergence on. **DIVERGED k/n @ s**: k of n seeds hit a non-finite training loss, the first at optimizer "
+        f"step s (the cell stops there). {kind.table_note}",
+        "",
+        f"| lr | batch | {kind.arm_column} | seeds | final top-1 | best top-1 | divergence | "
+        + "".join(f"{h} | " for h, _ in kind.table),
+        "|---:|---:|:---|---:|---:|---:|:---|" + "---:|" * len(kind.table),
+    ]
+    lines[-2] = lines[-2].rstrip()
+    for (lr, bs, arm), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], arm_key(kv[0][2])[0])):
+        div = [r for r in rs if r.diverged]
+        steps = [r.divergence_step for r in div if r.divergence_step is not None]
+        mark = f"**DIVERGED {len(div)}/{len(rs)} @ {min(steps) if steps else '?'}**" if div else "none"
+        lines.append(
+            f"| {lr:g} | {bs} | {arm} | {len(rs)} | {_pct([accuracy(r) for r in rs])} | "
+            f"{_pct([r.best_top1 for r in rs if r.best_top1 is not None])} | {mark} | "
+            + "".join(f"{_mean([r.metrics.get(key) for r in rs])} | " for _, key in kind.table)
+        )
+        lines[-1] = lines[-1].rstrip()
+    return lines + [""]
+
+
+def verdict_command(command: str) -> str:
+    """``command`` without ``--quick``, ``--seeds`` and ``--out``: the full grid of the same sweep, into its own --out."""
+    words = shlex.split(command)
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if word.startswith("--"):
+            skip = word.split("=")[0] in ("--quick", "--seeds", "--out")
+            if skip:
+                continue
+        elif skip:
+            continue
+        kept.append(word)
+    return shlex.join(kept)
+
+
+def _few_seeds(rows: list[Row], commands: list[str]) -> list[str]:
+    seeds: dict[tuple, int] = defaultdict(int)
+    for r in rows:
+        seeds[(r.arm, r.lr, r.batch_size)] += 1
+    if not rows or max(seeds.values()) >= MIN_SEEDS:
+        return []
+    command = verdict_command(commands[0]) if commands else "python recipes/stress.py ..."
+    return [f"**Every claim below is inconclusive by construction:** this sweep ran {max(seeds.values())} seed per "
+            f"cell (`--quick` runs one), and a verdict needs at least {MIN_SEEDS} seeds of every cell a claim "
+            f"compares. For verdicts, run the full grid (its default seeds, without `--quick`): `{command}`", ""]
+
+
+def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any], commands: list[str],
+              summaries: list[rb.Robustness]) -> str:
+    dataset = settings.get("dataset", "?")
+    lines = [
+        f"# {kind.title} ({dataset})",
+        "",
+        *_few_seeds(rows, commands),
+        "Every number below is computed by `recipes/sweeps/report.py` from `results.csv` (one row per cell: one "
+        f"training run of one {kind.arm_label}, learning rate, batch size and seed); `results.png` plots "
+        f"{kind.plotted} against the learning rate.",
+        "",
+        "## Setup",
+        "",
+        *_axes(rows, kind),
+        *_data(out),
+        *[f"- {k}: `{v}`" for k, v in settings.items()],
+        *_cost(rows),
+        "",
+        "Command(s) that produced these cells:",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
+        *claims_markdown([evaluate(c) for c in kind.claims(rows)], kind.rule),
+        *rb.markdown(summaries, kind.arm_column),
+        *_cell_table(rows, kind),
+        "Files: `results.csv` (cells), `robustness.csv`, `results.png`, `cells/*.json` (records with curves), "
+        "`tb/` (TensorBoard runs).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path, kind: Sweep, settings: dict[str, Any], command: str,
+                  figure: bool = True) -> list[dict[str, Any]]:
+    """Rebuild ``results.csv``, ``robustness.csv``, ``results.md`` and (``figure``: when stale) ``results.png``.
+
+    Returns the cell records, in table order.
+    """
+    records = sorted(load_records(out), key=lambda r: row_key(kind.row(r)))
+    write_atomic(out / "results.csv", csv_text(map(kind.row, records), kind.arm_column, kind.metric_columns))
+    rows = read_csv(out / "results.csv", kind.arm_column, kind.metric_columns)  # the report rests on the CSV alone
+    summaries = rb.robustness(rows)
+    write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column))
+    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
+    write_atomic(out / "results.md", _markdown(out, rows, kind, settings, commands or [command], summaries))
+    png = out / "results.png"
+    if figure and rows:  # the cells' files are looked at only when a figure may be drawn
+        newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
+        if not png.exists() or png.stat().st_mtime < newest:
+            kind.figure(rows, png)
+    return records

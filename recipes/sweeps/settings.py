@@ -1,0 +1,53 @@
+"""What defines a cell's computation besides the grid axes: ``settings.json`` and its comparison on resume.
+
+A rerun into an existing ``--out`` must have the same settings (else its cells would mix), and a norm
+sweep's settings keep their historical keys so older ``--out`` directories resume. Needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["SETTINGS_FILE", "SPLIT_SEED", "VAL_FRACTION", "changed", "load", "sweep_settings"]
+
+SETTINGS_FILE = "settings.json"
+#: the split of digits and of a folder without train/ and val/: a fixed share of each class held out
+VAL_FRACTION, SPLIT_SEED = 0.2, 0
+_STRATIFIED = f"stratified per class, {100 * VAL_FRACTION:g} % held out for validation, split seed {SPLIT_SEED}"
+_SPLITS = {
+    "digits": _STRATIFIED,
+    "cifar100": "the official 50000 training / 10000 test images (test used for validation)",
+    "folder": f"the folder's train/ and val/, or without them {_STRATIFIED}",
+    "synthetic": "generated training and validation sets",
+}
+_KEEP = ("dataset", "image_size", "augment", "arch", "arch_kwargs", "cifar_stem", "epochs", "max_steps", "warmup_frac",
+         "schedule", "weight_decay", "accelerator", "precision", "mrs_backend", "val_every", "limit_val_batches",
+         "log_every", "synthetic_train_size", "synthetic_val_size")
+
+
+def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything that defines what a cell computes, except the grid axes."""
+    settings = {k: getattr(args, k) for k in _KEEP}
+    if settings["precision"] is None:
+        settings["precision"] = "32-true" if args.accelerator == "cpu" else "auto: bf16-mixed/16-mixed on GPUs"
+    if args.dataset == "folder":
+        settings["root"] = os.path.abspath(args.root)
+    settings.update(args.sweep.extra_settings(args))
+    settings.update(optimizer=args.sweep.optimizer_text, split=_SPLITS[args.dataset], devices=1)
+    return settings
+
+
+def load(out: Path) -> Optional[dict[str, Any]]:
+    """The settings recorded in ``out``, ``None`` when there are none yet."""
+    path = out / SETTINGS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def changed(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between recorded and current settings, as ``key: old there, new now; ...`` ('' if nothing)."""
+    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    return "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
