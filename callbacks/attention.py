@@ -63,8 +63,10 @@ def _skip_reason(info: AttentionInfo) -> Optional[str]:
     return None
 
 
-def _unseen_terms(module: nn.Module) -> Optional[str]:
+def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
     """What the layer adds to ``scale * q . k`` that the monitor does not recompute."""
+    if info.unseen is not None:
+        return info.unseen
     terms = []
     if (getattr(module, "relative_position_bias_table", None) is not None
             or getattr(module, "rel_pos", None) is not None or getattr(module, "use_rel_pos", False)):
@@ -101,7 +103,11 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     recomputed logits (a warning names such layers); ViT-style models have none of them.
     Layers with a learned per-head logit scale (Swin V2) are skipped with a warning. Only
     what ``iter_attention_layers`` covers is monitored: timm's attention as it is,
-    torch/torchvision attention once rebuilt (``expose_attention`` or a QK-norm swap).
+    torch/torchvision attention once rebuilt (``expose_attention`` or a QK-norm swap), and
+    Hugging Face transformers attention with a QK-norm of its own (Qwen3, Gemma 3, OLMo 2) or
+    once its q/k projections are wrapped (``expose_attention`` or a QK-norm swap; Llama, GPT-2...):
+    there q and k are read before the rotary embedding and the causal mask (a warning says so;
+    ``docs/transformers-attention.md``).
 
     Args:
         log_every_n_steps: capture on the batches Lightning logs at with this interval;
@@ -155,7 +161,7 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
                 skipped.append(f"{name or 'root'} ({type(module).__name__}: {reason})")
                 continue
             layers.append(WatchedLayer(name, module, info))
-            terms = _unseen_terms(module)
+            terms = _unseen_terms(module, info)
             if terms is not None:
                 unseen.append(f"{name or 'root'} ({terms})")
         if skipped:
@@ -168,8 +174,8 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
         if not layers:
             self._warn_once("nolayers", (
                 "AttentionMonitor: the model has no attention layer it can monitor (timm ViT/DeiT/EVA... attention, "
-                "or torch/torchvision attention after lightning_mrs.swap.expose_attention(model) or a QK-norm "
-                "swap); nothing will be logged."))
+                "or torch/torchvision/transformers attention after lightning_mrs.swap.expose_attention(model) or a "
+                "QK-norm swap); nothing will be logged."))
         return layers
 
     @override

@@ -12,7 +12,13 @@ What the swap built (every norm layer of the target's kind, see
 checkpoint; resuming compares what this run built with it, and :meth:`NormSwap.restore`
 rebuilds a fresh model for inference.
 
-Launchers: ``strategy="ddp"`` (one script process per device) works. The multiprocessing
+Strategies: ``strategy="ddp"`` (one script process per device) works, and so does FSDP2,
+Lightning's ``ModelParallelStrategy``: its ``configure_model`` is where the user parallelises
+(``fully_shard``), so under it NormSwap does not call that hook but swaps the model as
+``__init__`` built it, unsharded, in ``setup``; Lightning then calls ``configure_model``, which
+shards the swapped model. Its checkpoints (a directory of shards, or one file) resume, and
+:meth:`NormSwap.restore` reads both. ``FSDPStrategy`` and DeepSpeed are refused (both need a GPU
+in Lightning; they wrap the model themselves). The multiprocessing
 launcher (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) is refused: its workers would swap
 their copies of the model, but when training ends Lightning loads rank 0's weights into the
 main process's model, and no callback hook runs in the main process to swap that one.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -46,16 +53,19 @@ from lightning_mrs.swap.spec import (
 __all__ = ["NormSwap"]
 
 _SPEC_VERSION = 2
+_METADATA = "meta.pt"  # what ModelParallelStrategy writes beside the shards (Lightning's _METADATA_FILENAME)
 _SHOWN = 5  # layers listed in an error message
 
 
 class NormSwap(Callback):
     """Replace the model's norm layers with MRSNorm (or the RMSNorm/LayerNorm baselines).
 
-    Supported: a single device and ``strategy="ddp"``. Refused before training, with the
-    reason: FSDP, DeepSpeed and ModelParallel (they own the parameters) and
-    ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` (the trained weights come back into a model
-    no callback can swap). The model may be built in ``__init__`` or ``configure_model``;
+    Supported: a single device, ``strategy="ddp"`` and FSDP2 (``ModelParallelStrategy``, the
+    model built in ``__init__`` and sharded in ``configure_model``: the swap happens before).
+    Refused before training, with the reason: ``FSDPStrategy`` and DeepSpeed (they wrap the
+    parameters; use ``ModelParallelStrategy``) and ``ddp_spawn``/``ddp_fork``/``ddp_notebook``
+    (the trained weights come back into a model no callback can swap). Without
+    ``ModelParallelStrategy`` the model may be built in ``__init__`` or ``configure_model``;
     one built in ``LightningModule.setup`` is refused (Lightning runs it after the swap).
 
     Args:
@@ -87,12 +97,16 @@ class NormSwap(Callback):
         self._present: set[str] = set()
         self._handle: Optional[RemovableHandle] = None
         self._unchecked = False  # a setup whose late-built layers are still to be looked for
+        self._parallel = False  # ModelParallelStrategy: swapped before configure_model
 
     # ------------------------------------------------------------------ swapping
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         _refuse_unsupported(trainer)
-        if is_overridden("configure_model", pl_module):
+        self._parallel = isinstance(trainer.strategy, ModelParallelStrategy)
+        if self._parallel:
+            _refuse_parallelised(pl_module)  # configure_model (Lightning's call, next) shards what is swapped here
+        elif is_overridden("configure_model", pl_module):
             # build the layers now, where Lightning would; its own call is then a no-op
             with trainer.strategy.tensor_init_context(), trainer.strategy.model_sharded_context(), \
                     trainer.precision_plugin.module_init_context():
@@ -148,6 +162,14 @@ class NormSwap(Callback):
     def _refuse_late_layers(self, pl_module: nn.Module) -> None:
         late = [name for name, _, spec in iter_norm_layers(pl_module)
                 if spec.unsupported is None and name not in self._present]
+        if late and self._parallel:
+            raise MisconfigurationException(
+                f"NormSwap: norm layers {late[:_SHOWN]}{'...' if len(late) > _SHOWN else ''} appeared after the swap. "
+                "Under ModelParallelStrategy NormSwap swaps in setup, before Lightning calls configure_model (where "
+                "the model is parallelised), so the model must be built in __init__ and only sharded in "
+                "configure_model. Or call lightning_mrs.swap_norms(...) in configure_model before fully_shard and "
+                "drop NormSwap."
+            )
         if late:
             raise MisconfigurationException(
                 f"NormSwap: norm layers {late[:_SHOWN]}{'...' if len(late) > _SHOWN else ''} appeared after the swap, "
@@ -229,6 +251,8 @@ class NormSwap(Callback):
             "target": self.options.target,
             "options": self.options.describe(),  # for messages only: the layers are the record
             "layers": self._layers,
+            # restore() must not call configure_model: under ModelParallelStrategy it parallelises
+            "before_configure_model": self._parallel,
         }
 
     @override
@@ -264,9 +288,11 @@ class NormSwap(Callback):
         Args:
             model: a freshly built model of the class that was trained (a LightningModule,
                 or a plain module whose ``state_dict`` keys match the checkpoint's). Its
-                ``configure_model`` hook, if any, is called first.
+                ``configure_model`` hook, if any, is called first, except for a model trained
+                under ``ModelParallelStrategy`` (there that hook shards: the model is used unsharded).
             checkpoint_path: a Lightning checkpoint written with ``NormSwap`` in the callbacks
-                (by lightning-mrs 0.2, or 0.1).
+                (by lightning-mrs 0.2, or 0.1): a file, or the directory of shards that
+                ``ModelParallelStrategy`` writes (read in this one process).
             map_location: passed to ``torch.load``.
             strict: passed to ``load_state_dict``.
 
@@ -285,7 +311,8 @@ class NormSwap(Callback):
         """
         check_model("NormSwap.restore", model)
         check_bool("NormSwap.restore", "strict", strict)
-        checkpoint = _load_checkpoint(checkpoint_path, map_location)
+        sharded = (Path(checkpoint_path) / _METADATA).is_file()  # ModelParallelStrategy's directory of shards
+        checkpoint = _load_checkpoint(Path(checkpoint_path) / _METADATA if sharded else checkpoint_path, map_location)
         spec = _find_spec(checkpoint)
         if spec is None:
             raise ValueError(
@@ -294,7 +321,7 @@ class NormSwap(Callback):
                 "...) with the training options yourself, then model.load_state_dict(...)."
             )
         configure_model = getattr(model, "configure_model", None)
-        if callable(configure_model):
+        if callable(configure_model) and not spec.get("before_configure_model"):
             configure_model()  # models built there (Lightning asks for it to be idempotent)
         try:
             if "layers" in spec:
@@ -303,19 +330,28 @@ class NormSwap(Callback):
                 rebuild_v1(model, spec)
         except ValueError as err:
             raise ValueError(f"NormSwap.restore({checkpoint_path}): {err}") from None
-        model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+
+            state = {"state_dict": model.state_dict()}
+            dcp.load(state, checkpoint_id=Path(checkpoint_path), no_dist=True)  # into these tensors
+            model.load_state_dict(state["state_dict"], strict=strict)
+        else:
+            model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
         return model
 
 
 def _refuse_unsupported(trainer: "pl.Trainer") -> None:
     strategy = trainer.strategy
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
         raise MisconfigurationException(
-            f"NormSwap does not support {type(strategy).__name__}: it shards or wraps parameters, so norm layers "
-            "cannot be replaced module by module once the strategy owns them. Swap before the Trainer instead: call "
-            "`lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's __init__ (or inside "
-            "configure_model, before any wrapping) and remove NormSwap from the callbacks. Supported strategies: "
-            "single device and DDP (strategy='ddp')."
+            f"NormSwap does not support {type(strategy).__name__}: it wraps and shards the parameters itself, so norm "
+            "layers cannot be replaced module by module once the strategy owns them (and Lightning runs it on GPUs "
+            "only). Use FSDP2 instead: strategy=ModelParallelStrategy(), the model built in __init__ and sharded with "
+            "torch.distributed.fsdp.fully_shard in configure_model; NormSwap swaps before that. Or call "
+            "`lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's __init__ and remove "
+            "NormSwap from the callbacks. Supported strategies: single device, DDP (strategy='ddp') and "
+            "ModelParallelStrategy (FSDP2)."
         )
     if isinstance(strategy.launcher, _MultiProcessingLauncher):
         raise MisconfigurationException(
@@ -325,6 +361,19 @@ def _refuse_unsupported(trainer: "pl.Trainer") -> None:
             "that load fails. Use strategy='ddp' (one script process per device), or, where only a fork works "
             "(notebooks), call `lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's "
             "__init__ and remove NormSwap from the callbacks."
+        )
+
+
+def _refuse_parallelised(pl_module: nn.Module) -> None:
+    """Under ModelParallelStrategy the swap needs the model as ``__init__`` built it, unsharded."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, p in pl_module.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise MisconfigurationException(
+            f"NormSwap: the model is already parallelised before the swap (DTensor parameters such as {sharded[0]!r}); "
+            "under ModelParallelStrategy build the model in __init__ and shard it (fully_shard) in configure_model, "
+            "which Lightning calls after NormSwap's setup."
         )
 
 
@@ -356,7 +405,8 @@ def _load_checkpoint(path: Union[str, os.PathLike], map_location: Any) -> dict[s
     if not os.path.exists(path):
         raise FileNotFoundError(f"NormSwap.restore: no checkpoint at {os.fspath(path)} (no such file).")
     if os.path.isdir(path):
-        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is a directory; pass the .ckpt file.")
+        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is a directory; pass the .ckpt file (or the "
+                         f"directory of shards that ModelParallelStrategy writes, with its {_METADATA}).")
     if os.path.getsize(path) == 0:
         raise ValueError(f"NormSwap.restore: {os.fspath(path)} is empty (0 bytes); save or copy it again.")
     try:

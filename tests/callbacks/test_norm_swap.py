@@ -121,9 +121,27 @@ def test_sharded_strategies_are_refused():
 
     fake = SimpleNamespace(strategy=FSDPStrategy())
     model = TinyModule()
-    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*swap_norms"):
+    with pytest.raises(MisconfigurationException, match="FSDPStrategy.*ModelParallelStrategy"):
         NormSwap().setup(fake, model, "fit")
     assert isinstance(model.net[1], nn.BatchNorm2d)
+
+
+def test_model_parallel_swaps_before_configure_model_and_refuses_a_model_built_there():
+    """Under ModelParallelStrategy configure_model parallelises: NormSwap must not call it, so a
+    model built there appears after the swap and is refused with the FSDP2 advice."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    fake = SimpleNamespace(strategy=ModelParallelStrategy())
+    model = TinyModule(build="configure_model")
+    swap = NormSwap(verbose=False)
+    swap.setup(fake, model, "fit")
+    assert model.net is None  # not built by NormSwap: that call would shard
+    model.configure_model()  # Lightning's call
+    with pytest.raises(MisconfigurationException, match="must be built in __init__ and only sharded in configure_model"):
+        swap.on_validation_start(fake, model)
+    built = TinyModule()
+    swap.setup(fake, built, "fit")
+    assert isinstance(built.net[1], MRSNorm2d) and swap.state_dict()["before_configure_model"] is True
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "ddp_notebook"])
@@ -251,7 +269,8 @@ def _tensor(path: Path) -> Path:
     (_tensor, ValueError, "{} holds a Tensor, not a Lightning checkpoint (a dict "
                                                               "with 'state_dict' and 'callbacks'): save it with "
                                                               "trainer.save_checkpoint."),
-    (lambda p: p.parent, ValueError, "{} is a directory; pass the .ckpt file."),
+    (lambda p: p.parent, ValueError, "{} is a directory; pass the .ckpt file (or the directory of shards that "
+                                     "ModelParallelStrategy writes, with its meta.pt)."),
 ], ids=["missing", "empty", "garbage", "truncated", "tensor", "directory"])
 def test_restore_of_an_unreadable_file_names_it_and_what_is_wrong(tmp_path, make, error, what):
     path = make(tmp_path / "bad.ckpt")
