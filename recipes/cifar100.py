@@ -47,6 +47,7 @@ if not __package__:  # run as a script (`python recipes/cifar100.py`): import th
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -58,6 +59,7 @@ from lightning_mrs.swap import iter_attention_layers
 from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
+from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.models import check_input_size
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "OneLineParser", "build_cli", "main", "run"]
@@ -116,6 +118,9 @@ class CifarCLI(LightningCLI):
         check_input_size(self.model.model, self.datamodule.image_size)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
+        if self.config_init.get("trainer.logger") in (None, True):  # Lightning's default, without hp_metric
+            root = self.config_init.get("trainer.default_root_dir") or os.getcwd()
+            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
@@ -140,7 +145,8 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
             seed_everything_default=0,
             trainer_defaults={
                 "max_epochs": 200,
-                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
+                              HParamsSummary(CLASSIFIER_SUMMARY)],
             },
             save_config_kwargs={"overwrite": True},
         )

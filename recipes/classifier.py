@@ -146,11 +146,9 @@ class ImageClassifier(pl.LightningModule):
             return
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         global_batch = per_device * world * accumulate
-        rank_zero_info(
+        rank_zero_info(  # and an HParams column (recipes.hparams.HParamsSummary)
             f"global batch {global_batch} = {per_device} per device x {world} processes x {accumulate} accumulation"
         )
-        for logger in self.trainer.loggers:
-            logger.log_metrics({"data/global_batch_size": float(global_batch)}, step=0)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (N, 3, H, W), (N,)
@@ -180,7 +178,8 @@ class ImageClassifier(pl.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # "name": LearningRateMonitor's tag, train/lr (train/lr/<group> for AdamW's two groups), beside train/*
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
 
 class ValidateAtEnd(Callback):

@@ -62,15 +62,15 @@ def test_tensorboard_server_serves_tags_and_layout(tmp_path: Path) -> None:
         (run,) = [r for r, tags in scalars.items() if "phasor/all/grad_cv" in tags]
         for layer in ("net.1", "net.4", "all"):
             for stat in ("grad_mean", "grad_cv", "starved_frac", "nonfinite"):
-                assert f"phasor/{layer}/{stat}" in scalars[run]
+                assert HOMOGENEITY.tag(layer, stat) in scalars[run]
         points = _get_json(f"{base}/scalars/scalars?run={run}&tag=phasor/net.1/grad_cv")
         assert [p[1] for p in points] == [0, 1]  # [wall_time, step, value]
         layout = _get_json(f"{base}/custom_scalars/layout")
         (category,) = layout["category"]
         assert category["title"] == "Phasor homogeneity"
         margins = [c["margin"]["series"][0] for c in category["chart"] if "margin" in c]
-        assert {"value": "phasor/net.4/grad_p50", "lower": "phasor/net.4/grad_p05",
-                "upper": "phasor/net.4/grad_p95"} in margins
+        assert {"value": "z-layers/phasor/net.4/grad_p50", "lower": "z-layers/phasor/net.4/grad_p05",
+                "upper": "z-layers/phasor/net.4/grad_p95"} in margins
     finally:
         server.terminate()
         try:
