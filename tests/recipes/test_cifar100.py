@@ -36,6 +36,16 @@ def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def _session_start(run_dir: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    return dict(metadata.parse_session_start_info_plugin_data(content).hparams)
+
+
 def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     steps, lr = 3, 0.05
     proc = _run([*FAST, "--model.norm", "mrs", "--model.mrs_backend", "eager", "--model.lr", str(lr),
@@ -55,11 +65,20 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     # logs it at the index of the last training batch (steps - 1)
     assert [s for s, _ in scalars["val/top1"]] == [steps - 1]
     assert 0.0 <= scalars["val/top1"][0][1] <= 1.0
-    for tag in ("train/loss", "val/loss", "val/top5", "data/global_batch_size"):
+    for tag in ("train/loss", "train/epoch", "val/loss", "val/top5"):
         assert tag in scalars, sorted(scalars)
     assert any(t.startswith("phasor/all/") for t in scalars), sorted(scalars)
+    assert "hp_metric" not in scalars and "epoch" not in scalars
+    # the HParams session: the final metrics (z-final/*, at the last step) and the settings
+    assert scalars["z-final/top1"] == scalars["z-final/best_top1"] == [(steps, scalars["val/top1"][-1][1])]
+    assert scalars["z-final/val_loss"] == [(steps, scalars["val/loss"][-1][1])]
+    assert scalars["z-final/diverged"] == [(steps, 0.0)] and "z-final/max_logit" not in scalars  # no attention
+    start = _session_start(run)
+    assert start["norm"].string_value == "mrs" and start["lr"].number_value == lr
+    assert start["global_batch_size"].number_value == 16 and start["seed"].number_value == 0
+    assert start["precision"].string_value == "32-true" and start["dataset"].string_value == "synthetic"
     # per-step cosine schedule, no warm-up: lr_k = lr/2 (1 + cos(pi k / steps)) (independent formula)
-    lrs = [v for _, v in sorted(scalars["lr-SGD"])]
+    lrs = [v for _, v in sorted(scalars["train/lr"])]
     expected = [lr * 0.5 * (1 + math.cos(math.pi * k / steps)) for k in range(steps)]
     torch.testing.assert_close(torch.tensor(lrs[:steps], dtype=torch.float64),
                                torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=1e-5)
