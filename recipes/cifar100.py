@@ -56,7 +56,8 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
-from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
+from recipes.checkpoints import check_checkpoint
+from recipes.classifier import ImageClassifier, ValidateAtEnd, cpu_fp16, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
 from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
@@ -116,8 +117,15 @@ class CifarCLI(LightningCLI):
         # message from one process; other local ranks (torchrun/SLURM start them all) rely on
         # local rank 0, as Lightning's prepare_data does.
         check_input_size(self.model.model, self.datamodule.image_size)
+        ckpt_path = self.config.get("ckpt_path")
+        if ckpt_path:
+            check_checkpoint(ckpt_path, self.model, self.model.hparams)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
+        plugin = cpu_fp16(self.config_init.get("trainer.precision"), self.config_init.get("trainer.accelerator"))
+        if plugin is not None:  # Lightning would run bfloat16 here
+            kwargs["precision"], kwargs["plugins"] = None, [*(self.config_init.get("trainer.plugins") or []), plugin]
+            rank_zero_info("precision 16-mixed on the CPU: float16 autocast with a GradScaler (torch.amp), as on a GPU")
         if self.config_init.get("trainer.logger") in (None, True):  # Lightning's default, without hp_metric
             root = self.config_init.get("trainer.default_root_dir") or os.getcwd()
             kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
