@@ -19,11 +19,13 @@ recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLU
 Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
 AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.optim`),
 linear warm-up then cosine decay stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
-(``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
+(``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given
+(``16-mixed`` on the CPU: float16 autocast with a GradScaler, not Lightning's bfloat16),
 DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
 (``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``,
 ``GradientHomogeneityMonitor`` (``--monitor.*``) and, for models with attention layers,
-``AttentionMonitor`` (``--attention.*``).
+``AttentionMonitor`` (``--attention.*``), and the run's settings and final metrics in TensorBoard's
+HParams dashboard (:class:`recipes.hparams.HParamsSummary`); ``--ckpt_path`` is checked first.
 ``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
 samples whose label is among the top k logits, as papers report them. The data
 (:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.

@@ -10,7 +10,8 @@
   359 validation images.
 * ``folder``: your images, torchvision ``ImageFolder`` style: ``DIR/train/<class>/*`` and
   ``DIR/val/<class>/*``, or ``DIR/<class>/*`` split like digits; ``num_classes`` is the number
-  of class folders.
+  of class folders (at least 2). An image file that cannot be read is skipped with a warning
+  naming it (no up-front check: it would open every file before the first step).
 * ``synthetic``: the deterministic CIFAR-100-shaped stand-in of :mod:`recipes.synthetic` (tests).
 
 ``num_classes`` is known after construction; the recipe links it to ``--model.num_classes``.
