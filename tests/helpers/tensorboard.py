@@ -16,9 +16,30 @@ import pytest
 
 from helpers.ddp import free_port
 
-__all__ = ["START_TIMEOUT_S", "compare_tags", "get_json", "post_json", "tensorboard_server", "time_series_groups"]
+__all__ = ["START_TIMEOUT_S", "compare_tags", "event_scalars", "get_json", "post_json", "session_start",
+           "tensorboard_server", "time_series_groups"]
 
 START_TIMEOUT_S = 90
+
+
+def event_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of a run directory's event files: ``tag -> [(step, value), ...]``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def session_start(run_dir: Path) -> dict[str, Any]:
+    """The hyperparameters of a run's HParams session (``name -> google.protobuf.Value``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    return dict(metadata.parse_session_start_info_plugin_data(content).hparams)
 
 
 def get_json(url: str) -> Any:

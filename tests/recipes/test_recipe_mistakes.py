@@ -13,6 +13,7 @@ import torch
 from helpers import ROOT
 from helpers.images import write_images
 from helpers.scripts import run_script
+from helpers.tensorboard import event_scalars
 from recipes.classifier import ImageClassifier
 
 SCRIPT = ROOT / "recipes" / "cifar100.py"
@@ -77,14 +78,6 @@ def test_single_class_folder_is_one_line(tmp_path: Path, error_line: Callable[[i
     assert "one class folder ('cats')" in line and "at least 2 classes" in line and str(tmp_path / "imgs") in line
 
 
-def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_unreadable_image_is_skipped_and_named_and_no_top5_under_5_classes(tmp_path: Path) -> None:
     root = tmp_path / "imgs"
     for c, name in enumerate(("a", "b", "c")):
@@ -99,7 +92,7 @@ def test_unreadable_image_is_skipped_and_named_and_no_top5_under_5_classes(tmp_p
     assert proc.returncode == 0, out[-3000:]
     warned = [line for line in out.splitlines() if "skipped the unreadable image" in line]
     assert warned and all(str(bad) in line for line in warned) and "1 skipped so far" in warned[0], out[-3000:]
-    scalars = _scalars(tmp_path / "r" / "lightning_logs" / "version_0")
+    scalars = event_scalars(tmp_path / "r" / "lightning_logs" / "version_0")
     assert "val/top1" in scalars and "val/top5" not in scalars  # 3 classes: top-5 would always be 100 %
     assert scalars["train/epoch"]  # one epoch of 18 readable images went through (a batch of 19 minus the broken)
 
@@ -112,6 +105,6 @@ def test_fp16_on_the_cpu_is_real_fp16_with_a_scaler(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-3000:]
     assert "precision 16-mixed on the CPU: float16 autocast with a GradScaler" in out
     assert "bfloat16" not in out  # Lightning's own warning about running bf16 instead
-    scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
+    scalars = event_scalars(tmp_path / "lightning_logs" / "version_0")
     # the monitor logs the GradScaler's scale: there is one (65536 to start, torch's default)
     assert scalars["phasor/all/loss_scale"][0][1] == 65536.0
