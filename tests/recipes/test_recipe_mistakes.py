@@ -98,9 +98,10 @@ def test_unreadable_image_is_skipped_and_named_and_no_top5_under_5_classes(tmp_p
 
 
 def test_fp16_on_the_cpu_is_real_fp16_with_a_scaler(tmp_path: Path) -> None:
-    proc = run_script(SCRIPT, [*BASE, "--trainer.precision", "16-mixed", "--trainer.max_steps", "2",
-                               "--trainer.log_every_n_steps", "1", "--data.batch_size", "32",
-                               "--trainer.default_root_dir", str(tmp_path)], timeout=300)
+    proc = run_script(SCRIPT, [*BASE, "--trainer.precision", "16-mixed", "--trainer.max_steps", "1",
+                               "--data.image_size", "16", "--data.batch_size", "16", "--trainer.log_every_n_steps", "1",
+                               "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path)],
+                      timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "precision 16-mixed on the CPU: float16 autocast with a GradScaler" in out
