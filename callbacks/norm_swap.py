@@ -351,7 +351,8 @@ def _options_of(spec: dict[str, Any]) -> str:
     return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
 
 
-def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *, owner: str = "NormSwap.restore") -> dict[str, Any]:
+def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *,
+                    owner: str = "NormSwap.restore") -> dict[str, Any]:
     """``torch.load`` of a Lightning checkpoint, with one error naming ``owner``, the file and what is wrong
     (missing, a directory, empty, truncated, not a torch file, not a dict). The recipes read ``--ckpt_path``
     with it (``owner="--ckpt_path"``).

@@ -97,7 +97,8 @@ def every_layer(prefix: str, stat: str) -> str:
 
     Example:
         >>> import re
-        >>> [bool(re.match(every_layer("phasor", "grad_cv"), HOMOGENEITY.tag(layer, "grad_cv"))) for layer in ("all", "l1")]
+        >>> pattern = every_layer("phasor", "grad_cv")
+        >>> [bool(re.match(pattern, HOMOGENEITY.tag(layer, "grad_cv"))) for layer in ("all", "l1")]
         [True, True]
     """
     return rf"^({LAYERS}/)?{prefix}/.*/{stat}$"

@@ -181,7 +181,8 @@ class ImageClassifier(pl.LightningModule):
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         # "name": LearningRateMonitor's tag, train/lr (train/lr/<group> for AdamW's two groups), beside train/*
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+        schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 class ValidateAtEnd(Callback):

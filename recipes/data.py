@@ -198,8 +198,8 @@ class ImageDataModule(pl.LightningDataModule):
         )
         self.num_classes = len(self.classes)
         if self.num_classes < 2:
-            raise UsageError(f"--data.root {root!r}: one class folder ({self.classes[0]!r}); a classifier needs at least "
-                             "2 classes: add a folder of images per class.")
+            raise UsageError(f"--data.root {root!r}: one class folder ({self.classes[0]!r}); a classifier needs at "
+                             "least 2 classes: add a folder of images per class.")
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))

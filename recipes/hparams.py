@@ -65,7 +65,8 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     (``_instantiator``) left out.
 
     Example:
-        >>> flatten_params({"lr": 0.1, "arch_kwargs": {"depth": 4}, "betas": (0.9, 0.99), "root": None, "augment": True})
+        >>> flatten_params({"lr": 0.1, "arch_kwargs": {"depth": 4}, "betas": (0.9, 0.99), "root": None,
+        ...                 "augment": True})
         {'lr': 0.1, 'arch_kwargs/depth': 4, 'betas': '(0.9, 0.99)', 'root': 'None', 'augment': 'True'}
     """
     flat: dict[str, Any] = {}

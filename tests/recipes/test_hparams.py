@@ -87,8 +87,8 @@ def test_summary_reduces_what_was_logged(tmp_path: Path) -> None:
     loss = [v for _, v in sorted(rec.history["train/loss"].items())]
     cv = list(rec.history["phasor/all/grad_cv"].values())
     ratio = list(rec.history["phasor/all/grad_max_ratio"].values())
-    expected = {"z-final/train_loss": loss[-1], "z-final/best_loss": min(loss), "z-final/mean_grad_cv": sum(cv) / len(cv),
-                "z-final/max_ratio": max(ratio), "z-final/diverged": 0.0}
+    expected = {"z-final/train_loss": loss[-1], "z-final/best_loss": min(loss),
+                "z-final/mean_grad_cv": sum(cv) / len(cv), "z-final/max_ratio": max(ratio), "z-final/diverged": 0.0}
     assert rec.history.keys() >= expected.keys() and "z-final/max_logit" not in rec.history  # every logger got them
     acc = EventAccumulator(tb.log_dir)
     acc.Reload()
