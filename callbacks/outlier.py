@@ -44,7 +44,7 @@ __all__ = ["OutlierMonitor"]
 
 
 class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
-    """Log activation-outlier figures of every norm layer's input as ``outlier/<layer>/<figure>``.
+    """Log activation-outlier figures of every norm layer's input as ``z-layers/outlier/<layer>/<figure>``.
 
     Per layer, over the tokens of the logging step's training forward (a token: the ``C``
     channels of one position; see :mod:`lightning_mrs.outlier_stats` for the exact rules):
@@ -68,7 +68,7 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
             ``None`` uses the Trainer's ``log_every_n_steps``, and then the figures line up
             with ``self.log``'s.
         figures: the figures to log, any of :data:`lightning_mrs.outlier_stats.FIGURE_NAMES`.
-        per_layer: log ``outlier/<layer>/*``; ``False`` logs ``outlier/all/*`` only.
+        per_layer: log ``z-layers/outlier/<layer>/*``; ``False`` logs ``outlier/all/*`` only.
         include: a regex; only norm layers whose name matches (``re.search``) are watched.
         dashboard: write the TensorBoard custom-scalars layout ("Activation outliers").
 

@@ -21,7 +21,7 @@ Which modules (:func:`find_norm_inputs`), in ``model.named_modules()`` order, ea
 :class:`OutlierCapture` holds the forward pre-hooks of one logging step (:meth:`~OutlierCapture.arm`
 registers them, :meth:`~OutlierCapture.disarm` is the one place that removes them); each
 call reduces its input to :class:`~lightning_mrs.outlier_stats.OutlierSums` at once.
-:func:`step_metrics` turns the sums into ``outlier/<layer>/<figure>`` and
+:func:`step_metrics` turns the sums into ``z-layers/outlier/<layer>/<figure>`` and
 ``outlier/all/<figure>`` with one device-to-host copy.
 
 Example:
@@ -35,7 +35,7 @@ Example:
     >>> capture.arm()
     >>> _ = net(torch.randn(3, 4))
     >>> capture.disarm()
-    >>> step_metrics(layers, capture.sums, ("absmax", "rms_share"))["outlier/1/rms_share"] < 1
+    >>> step_metrics(layers, capture.sums, ("absmax", "rms_share"))["z-layers/outlier/1/rms_share"] < 1
     True
 """
 
@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
-from lightning_mrs.callbacks.tb_layout import Dashboard, _multiline
+from lightning_mrs.callbacks.tb_layout import OUTLIER
 from lightning_mrs.outlier_stats import OutlierSums, aggregate_figures, defined, outlier_figures, outlier_sums
 from lightning_mrs.swap.registry import norm_spec
 
@@ -58,25 +58,6 @@ __all__ = ["OUTLIER", "OutlierCapture", "WatchedNorm", "find_norm_inputs", "step
 Reduce = Callable[[Tensor, str], Tensor]  # (flat tensor, "sum" | "max") -> reduced over ranks
 _COUNTS = ("tokens", "mrs_tokens", "kurtosis_tokens")
 
-#: ``OutlierMonitor``'s custom-scalars category ("Activation outliers").
-OUTLIER = Dashboard(
-    category="Activation outliers",
-    prefix="outlier",
-    charts=(
-        ("share of the largest channel in the denominator, worst layer: RMSNorm's vs MRSNorm's",
-         (r"^outlier/all/rms_share$", r"^outlier/all/mrs_share$")),
-        *_multiline("outlier", (
-            ("absmax: largest |x| entering each norm (worst layer in all)", ("absmax",)),
-            ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
-            ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
-            ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
-            ("fp16_overflow_frac: share of inputs whose square overflows float16 (|x| >= 256)",
-             ("fp16_overflow_frac",)),
-            ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
-            ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
-        )),
-    ),
-)
 
 
 @dataclass
@@ -219,7 +200,7 @@ class OutlierCapture:
 
 def step_metrics(layers: Sequence[WatchedNorm], sums: Mapping[str, OutlierSums], figures: Sequence[str],
                  per_layer: bool = True) -> dict[str, float]:
-    """``outlier/<layer>/<figure>`` (when ``per_layer``) and ``outlier/all/<figure>`` of one
+    """``z-layers/outlier/<layer>/<figure>`` (when ``per_layer``) and ``outlier/all/<figure>`` of one
     logging step, for the ``figures`` asked for.
 
     Figures are computed on the sums' device and copied to the host once. A layer that saw

@@ -30,7 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "Dashboard", "every_layer", "tensorboard_experiment"]
+__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "OUTLIER", "Dashboard", "every_layer", "tensorboard_experiment"]
 
 #: the first component of every per-layer tag (after ``val`` in the Time Series' name order)
 LAYERS = "z-layers"
@@ -140,6 +140,27 @@ ATTENTION = Dashboard(
         ("entropy_min: mean entropy of the lowest head", ("entropy_min",)),
         ("q_norm_mean, k_norm_mean: mean |q|, |k| after the QK-norm", ("q_norm_mean", "k_norm_mean")),
     )),
+)
+
+
+#: ``OutlierMonitor``'s custom-scalars category ("Activation outliers").
+OUTLIER = Dashboard(
+    category="Activation outliers",
+    prefix="outlier",
+    charts=(
+        ("share of the largest channel in the denominator, worst layer: RMSNorm's vs MRSNorm's",
+         (r"^outlier/all/rms_share$", r"^outlier/all/mrs_share$")),
+        *_multiline("outlier", (
+            ("absmax: largest |x| entering each norm (worst layer in all)", ("absmax",)),
+            ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
+            ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
+            ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
+            ("fp16_overflow_frac: share of inputs whose square overflows float16 (|x| >= 256)",
+             ("fp16_overflow_frac",)),
+            ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
+            ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
+        )),
+    ),
 )
 
 

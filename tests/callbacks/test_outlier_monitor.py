@@ -25,8 +25,9 @@ from helpers.ddp import assert_same_history, read_history, run_job, split_fit
 from helpers.lightning import ManualModule, TinyModule, fit, image_data
 from helpers.monitors import assert_state_round_trip, tensorboard_run
 from helpers.outliers import PLANTED, all_figure, planted_net, planted_reference
-from helpers.recording_logger import RecordingLogger
+from helpers.recording_logger import RecordingLogger, monitor_tag
 from lightning_mrs.callbacks import GradientHomogeneityMonitor, OutlierMonitor
+from lightning_mrs.callbacks.tb_layout import every_layer
 from lightning_mrs.outlier_stats import FIGURE_NAMES
 
 BATCH, GLOBAL_BATCH, STEPS = 8, 8, 2
@@ -40,7 +41,7 @@ def planted_bn() -> nn.Module:
 
 
 def outlier_tags(rec: RecordingLogger) -> dict[str, dict[int, float]]:
-    return {tag: series for tag, series in rec.history.items() if tag.startswith("outlier/")}
+    return {tag: series for tag, series in rec.history.items() if monitor_tag(tag, "outlier/")}
 
 
 @pytest.mark.parametrize("batchnorm", [False, True])
@@ -51,17 +52,17 @@ def test_figures_match_direct_float64(recording_logger: RecordingLogger, batchno
     torch.manual_seed(0)  # as TinyModule builds its net
     ref = planted_reference(net_fn(), image_data(BATCH)[:BATCH][0], norms)
     got = outlier_tags(recording_logger)
-    expected_tags = {f"outlier/{layer}/{f}" for layer, row in ref.items() for f in row}
+    expected_tags = {f"z-layers/outlier/{layer}/{f}" for layer, row in ref.items() for f in row}
     expected_tags |= {f"outlier/all/{f}" for f in FIGURE_NAMES}
     assert got.keys() == expected_tags
     for layer, row in ref.items():
         for figure, value in row.items():
-            assert got[f"outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
+            assert got[f"z-layers/outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
     for figure in FIGURE_NAMES:
         assert got[f"outlier/all/{figure}"][0] == pytest.approx(all_figure(ref, figure), rel=1e-5, abs=1e-7), figure
     # odd width: no phasor share; the planted conv channel dominates the first norm's input
     head = "net.5" if batchnorm else "net.4"
-    assert f"outlier/{head}.odd_norm/mrs_share" not in got and f"outlier/{head}.norm/mrs_share" in got
+    assert f"z-layers/outlier/{head}.odd_norm/mrs_share" not in got and f"z-layers/outlier/{head}.norm/mrs_share" in got
     first = ref["net.1"]
     assert first["outlier_ratio"] > PLANTED / 4 and first["rms_share"] > first["mrs_share"] > 0.5
     assert first["absmax"] > 256 and first["fp16_overflow_frac"] > 0
@@ -90,7 +91,7 @@ def test_a_transformers_llama_is_watched_by_its_own_norms() -> None:
     ref = planted_reference(model, ids, {name: -1 for name in names}, prefix="")
     for layer, row in ref.items():
         for figure, value in row.items():
-            assert got[f"outlier/{layer}/{figure}"] == pytest.approx(value, rel=1e-5, abs=1e-7), (layer, figure)
+            assert got[f"z-layers/outlier/{layer}/{figure}"] == pytest.approx(value, rel=1e-5, abs=1e-7), (layer, figure)
     assert ref["layers.0.input_layernorm"]["outlier_ratio"] > 20
 
 
@@ -107,7 +108,7 @@ def test_logging_steps_line_up_with_train_loss(recording_logger: RecordingLogger
     expected = list(range(interval - 1, 5, interval))
     assert sorted(recording_logger.history["train/loss"]) == expected
     tags = outlier_tags(recording_logger)
-    assert {"outlier/net.1/kurtosis", "outlier/net.4.norm/mrs_share", "outlier/all/absmax"} <= tags.keys()
+    assert {"z-layers/outlier/net.1/kurtosis", "z-layers/outlier/net.4.norm/mrs_share", "outlier/all/absmax"} <= tags.keys()
     assert all(sorted(series) == expected for series in tags.values()), tags
 
 
@@ -193,8 +194,8 @@ def test_mixed_precision_figures_are_those_of_the_half_inputs(recording_logger: 
     got = outlier_tags(recording_logger)
     for layer, row in ref.items():
         for figure, value in row.items():
-            assert got[f"outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
-    assert got["outlier/net.1/fp16_overflow_frac"][0] > 0
+            assert got[f"z-layers/outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
+    assert got["z-layers/outlier/net.1/fp16_overflow_frac"][0] > 0
 
 
 def test_figures_and_per_layer_select_what_is_logged(recording_logger: RecordingLogger) -> None:
@@ -205,7 +206,7 @@ def test_figures_and_per_layer_select_what_is_logged(recording_logger: Recording
 
 def test_include_selects_layers(recording_logger: RecordingLogger) -> None:
     fit(TinyModule(planted_net), steps=1, logger=recording_logger, callbacks=[OutlierMonitor(include=r"norm$")])
-    layers = {tag.split("/")[1] for tag in outlier_tags(recording_logger)}
+    layers = {tag.split("/")[-2] for tag in outlier_tags(recording_logger)}
     assert layers == {"net.4.norm", "net.4.odd_norm", "all"}
 
 
@@ -243,8 +244,8 @@ def test_norm_like_modules_it_cannot_watch_are_named(recording_logger: Recording
     assert "net.2 (WeirdNorm: no 1-d weight or normalized_shape" in skipped
     assert "net.5 (LayerNorm: its normalized_shape (4, 5) spans 2 dims" in skipped
     assert "PreNorm" not in skipped and "parametriz" not in skipped.lower() and "_WeightNorm" not in skipped
-    assert outlier_tags(recording_logger).keys() >= {"outlier/net.3.norm/absmax", "outlier/all/absmax"}
-    assert not any(tag.startswith(("outlier/net.2/", "outlier/net.5/")) for tag in outlier_tags(recording_logger))
+    assert outlier_tags(recording_logger).keys() >= {"z-layers/outlier/net.3.norm/absmax", "outlier/all/absmax"}
+    assert not any(tag.startswith(("z-layers/outlier/net.2/", "z-layers/outlier/net.5/")) for tag in outlier_tags(recording_logger))
 
 
 class ChunkNorm(nn.Module):
@@ -285,9 +286,9 @@ def test_tensorboard_layout_shows_every_monitor(tmp_path: Path) -> None:
     tb = TensorBoardLogger(tmp_path, name="tb")
     fit(TinyModule(planted_net), steps=2, logger=tb, callbacks=[GradientHomogeneityMonitor(), OutlierMonitor()])
     steps_of, layout = tensorboard_run(tb.log_dir)
-    assert steps_of("outlier/net.4.norm/rms_share") == [0, 1]
+    assert steps_of("z-layers/outlier/net.4.norm/rms_share") == [0, 1]
     assert layout.keys() == {"Phasor homogeneity", "Activation outliers"}
-    assert {r"^outlier/.*/kurtosis$", r"^outlier/all/mrs_share$"} <= set(layout["Activation outliers"])
+    assert {every_layer("outlier", "kurtosis"), r"^outlier/all/mrs_share$"} <= set(layout["Activation outliers"])
 
 
 def test_state_dict_round_trip() -> None:
@@ -324,7 +325,7 @@ def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     single = run(devices=1)
     tags = assert_same_history(read_history(out), single, "outlier/", STEPS, rel=1e-5, abs=1e-7)
-    assert {"outlier/net.1/outlier_ratio", "outlier/net.4.norm/kurtosis", "outlier/all/fp16_overflow_frac"} <= tags
+    assert {"z-layers/outlier/net.1/outlier_ratio", "z-layers/outlier/net.4.norm/kurtosis", "outlier/all/fp16_overflow_frac"} <= tags
     assert all(math.isfinite(value) for tag in tags for value in single[tag].values())
 
 
