@@ -39,11 +39,10 @@ CIFAR-100 missing offline, ...) is one ``error: ...`` line on stderr and exit st
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 if not __package__:  # run as a script (`python recipes/cifar100.py`): import the recipes from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -59,23 +58,14 @@ from typing_extensions import override
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
 from recipes.checkpoints import check_checkpoint
-from recipes.classifier import ImageClassifier, ValidateAtEnd, cpu_fp16, default_precision
+from recipes.classifier import ImageClassifier
 from recipes.data import ImageDataModule
-from recipes.errors import UsageError, report
+from recipes.errors import UsageError
 from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.models import check_input_size
+from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, run_main
 
-__all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "OneLineParser", "build_cli", "main", "run"]
-
-class OneLineParser(LightningArgumentParser):
-    """The recipe's parser: a parsing mistake is one ``error: ...`` line and exit 2, not the usage."""
-
-    @override
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        if not self.exit_on_error:  # jsonargparse's nested parsers report to their parent
-            super().error(message, ex)
-        raise UsageError(f"{message} (options: --help)")
-
+__all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
 
 class CifarCLI(LightningCLI):
     """LightningCLI with the recipe's callbacks, checkpointing and precision defaults.
@@ -142,28 +132,19 @@ class CifarCLI(LightningCLI):
 
 def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
     """Parse the command line, build the model, data and trainer, and check the data; nothing trains."""
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    level = seed_log.level
-    seed_log.setLevel(logging.WARNING)  # "Seed set to" only once the configuration is valid
-    try:
-        cli = CifarCLI(
-            ImageClassifier,
-            ImageDataModule,
-            run=False,
-            args=args,
-            parser_class=OneLineParser,
-            seed_everything_default=0,
-            trainer_defaults={
-                "max_epochs": 200,
-                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
-                              HParamsSummary(CLASSIFIER_SUMMARY)],
-            },
-            save_config_kwargs={"overwrite": True},
-        )
-    finally:
-        seed_log.setLevel(level)
-    rank_zero_info(f"Seed set to {cli.config.seed_everything}")
-    return cli
+    return build_quietly(
+        CifarCLI,
+        ImageClassifier,
+        ImageDataModule,
+        args=args,
+        seed_everything_default=0,
+        trainer_defaults={
+            "max_epochs": 200,
+            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
+                          HParamsSummary(CLASSIFIER_SUMMARY)],
+        },
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -173,12 +154,8 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors (:class:`recipes.errors.UsageError`) as one stderr line, exit 2."""
-    try:
-        main(args)
-    except (UsageError, MisconfigurationException) as err:  # Lightning's: a bad --trainer.* value
-        return report(err)
-    return 0
+    """:func:`main` with user errors as one stderr line, exit 2."""
+    return run_main(main, args)
 
 
 if __name__ == "__main__":

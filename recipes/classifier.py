@@ -20,7 +20,6 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
@@ -31,7 +30,7 @@ from recipes.errors import UsageError
 from recipes.models import build_model, check_qk_norms
 from recipes.optim import build_optimizer, optimizer_options, warmup_cosine
 
-__all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier", "ValidateAtEnd", "cpu_fp16", "default_precision"]
+__all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
 #: the ``qk_norm`` values the classifier takes (``none``: no QK-norm added); cf. the library's
@@ -183,42 +182,3 @@ class ImageClassifier(pl.LightningModule):
         # "name": LearningRateMonitor's tag, train/lr (train/lr/<group> for AdamW's two groups), beside train/*
         schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
-
-
-class ValidateAtEnd(Callback):
-    """Stop (and so validate and checkpoint) on the last step when ``max_steps`` ends a run mid-epoch.
-
-    Without it a run cut short by ``--trainer.max_steps`` inside the first epoch never validates,
-    so it has no top-1 and no best checkpoint. Lightning validates when ``should_stop`` is set.
-    """
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
-            trainer.should_stop = True
-
-
-def default_precision(accelerator: Any) -> str:
-    """``bf16-mixed`` on a GPU with bf16, ``16-mixed`` on other GPUs, ``32-true`` elsewhere."""
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
-    if name in ("auto", "gpu", "cuda") or "cuda" in name:
-        if torch.cuda.is_available():
-            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "32-true"
-
-
-def cpu_fp16(precision: Any, accelerator: Any) -> Optional[Any]:
-    """For ``precision="16-mixed"`` on the CPU, the plugin of real float16 autocast with a loss scaler
-    (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``); ``None`` otherwise.
-
-    Lightning alone runs ``16-mixed`` on the CPU as bfloat16 (with a warning); a user who asked for
-    16 gets float16, the precision whose overflows the scaler and the monitors are there to show.
-    """
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
-    on_cpu = name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
-    if str(precision) not in ("16-mixed", "16") or not on_cpu:
-        return None
-    from lightning.pytorch.plugins import MixedPrecision
-
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

@@ -49,7 +49,6 @@ if __name__ == "__main__":  # `python recipes/lm.py`: run this file as the modul
 
     _sys.exit(run())
 
-import logging
 import math
 import os
 import time
@@ -64,7 +63,6 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -73,15 +71,14 @@ from typing_extensions import override
 from lightning_mrs import MRSNorm, SwapOptions, swap_norms
 from lightning_mrs.ops import BACKENDS
 from recipes.causal_lm import build_causal_lm, decoder_layers, require_transformers
-from recipes.cifar100 import OneLineParser
-from recipes.classifier import ValidateAtEnd, default_precision
-from recipes.errors import UsageError, report
+from recipes.errors import UsageError
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
 from recipes.text_corpus import unigram_entropy
 from recipes.text_data import TextDataModule
+from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, run_main
 
-__all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "cpu_fp16", "main", "run"]
+__all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "none")
 QK_NORMS = ("none", "mrs", "rms", "layer")
@@ -316,14 +313,6 @@ class ByteLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def cpu_fp16(precision: Any, accelerator: Any) -> bool:
-    """Whether ``16-mixed`` would run on the CPU (where Lightning would silently turn it into bf16)."""
-    if str(precision) not in ("16-mixed", "16"):
-        return False
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
-    return "cpu" in name or (name == "auto" and not torch.cuda.is_available())
-
-
 class FSDP2Strategy(ModelParallelStrategy):
     """``--trainer.strategy fsdp2``: ModelParallelStrategy sharding over every process, no tensor parallelism.
 
@@ -366,8 +355,8 @@ class LMCLI(LightningCLI):
         if trainer.max_steps is None or trainer.max_steps <= 0:
             raise UsageError(f"--trainer.max_steps must be > 0, got {trainer.max_steps}: the training windows are an "
                              "endless random stream, so the run's length is its number of steps.")
-        self.fp16_on_cpu = cpu_fp16(trainer.precision, trainer.accelerator)
-        if self.fp16_on_cpu:
+        self.fp16_plugin = cpu_fp16(trainer.precision, trainer.accelerator)
+        if self.fp16_plugin is not None:
             trainer.precision = None  # the plugin below says it
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and not os.path.exists(ckpt_path):
@@ -380,10 +369,10 @@ class LMCLI(LightningCLI):
         strategy = self._get(self.config_init, "trainer", default={}).get("strategy")
         if strategy == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
             kwargs["strategy"] = FSDP2Strategy()
-        if self.fp16_on_cpu:
+        if self.fp16_plugin is not None:
             given = self._get(self.config_init, "trainer", default={}).get("plugins") or []
             given = given if isinstance(given, list) else [given]
-            kwargs["plugins"] = [*given, MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+            kwargs["plugins"] = [*given, self.fp16_plugin]
         try:
             return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
@@ -392,31 +381,22 @@ class LMCLI(LightningCLI):
 
 def build_cli(args: Optional[list[str]] = None) -> LMCLI:
     """Parse the command line, build the model, data and trainer, and load the text; nothing trains."""
-    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
-    level = seed_log.level
-    seed_log.setLevel(logging.WARNING)  # "Seed set to" only once the configuration is valid
-    try:
-        cli = LMCLI(
-            ByteLM,
-            TextDataModule,
-            run=False,
-            args=args,
-            parser_class=OneLineParser,
-            seed_everything_default=0,
-            trainer_defaults={
-                "max_steps": 2000,
-                "val_check_interval": 250,
-                "check_val_every_n_epoch": None,
-                "gradient_clip_val": 1.0,
-                "log_every_n_steps": 10,
-                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
-            },
-            save_config_kwargs={"overwrite": True},
-        )
-    finally:
-        seed_log.setLevel(level)
-    rank_zero_info(f"Seed set to {cli.config.seed_everything}")
-    return cli
+    return build_quietly(
+        LMCLI,
+        ByteLM,
+        TextDataModule,
+        args=args,
+        seed_everything_default=0,
+        trainer_defaults={
+            "max_steps": 2000,
+            "val_check_interval": 250,
+            "check_val_every_n_epoch": None,
+            "gradient_clip_val": 1.0,
+            "log_every_n_steps": 10,
+            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+        },
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -426,9 +406,5 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors (:class:`recipes.errors.UsageError`) as one stderr line, exit 2."""
-    try:
-        main(args)
-    except (UsageError, MisconfigurationException) as err:  # Lightning's: a bad --trainer.* value
-        return report(err)
-    return 0
+    """:func:`main` with user errors as one stderr line, exit 2."""
+    return run_main(main, args)

@@ -28,7 +28,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
+from recipes.classifier import ImageClassifier
+from recipes.training import ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError
 from recipes.hparams import FINAL, RunLogger, log_hparams

@@ -14,7 +14,8 @@ from torch import nn
 from helpers import ROOT
 from helpers.scripts import run_script
 from helpers.tensorboard import event_scalars, session_start
-from recipes.classifier import ImageClassifier, default_precision
+from recipes.classifier import ImageClassifier
+from recipes.training import default_precision
 from recipes.models import build_model
 from recipes.errors import UsageError
 

@@ -1,0 +1,98 @@
+"""What the LightningCLI recipes share: the one-line-error parser, building a CLI, running it
+with user mistakes as one ``error:`` line, the precision rules, and the last-step validation.
+
+``recipes/cifar100.py`` (images) and ``recipes/lm.py`` (text) are each one LightningModule, one
+data module and a LightningCLI subclass; everything else they have in common lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, NoReturn, Optional, TypeVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from recipes.errors import UsageError, report
+
+__all__ = ["OneLineParser", "ValidateAtEnd", "build_quietly", "cpu_fp16", "default_precision", "run_main"]
+
+CLI = TypeVar("CLI", bound=LightningCLI)
+
+
+class OneLineParser(LightningArgumentParser):
+    """The recipe's parser: a parsing mistake is one ``error: ...`` line and exit 2, not the usage."""
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error:  # jsonargparse's nested parsers report to their parent
+            super().error(message, ex)
+        raise UsageError(f"{message} (options: --help)")
+
+
+class ValidateAtEnd(Callback):
+    """Stop (and so validate and checkpoint) on the last step when ``max_steps`` ends a run mid-epoch.
+
+    Without it a run cut short by ``--trainer.max_steps`` inside the first epoch never validates,
+    so it has no top-1 and no best checkpoint. Lightning validates when ``should_stop`` is set.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def default_precision(accelerator: Any) -> str:
+    """``bf16-mixed`` on a GPU with bf16, ``16-mixed`` on other GPUs, ``32-true`` elsewhere."""
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    if name in ("auto", "gpu", "cuda") or "cuda" in name:
+        if torch.cuda.is_available():
+            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def cpu_fp16(precision: Any, accelerator: Any) -> Optional[Any]:
+    """For ``precision="16-mixed"`` on the CPU, the plugin of real float16 autocast with a loss scaler
+    (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``); ``None`` otherwise.
+
+    Lightning alone runs ``16-mixed`` on the CPU as bfloat16 (with a warning); a user who asked for
+    16 gets float16, the precision whose overflows the scaler and the monitors are there to show.
+    """
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    on_cpu = name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
+    if str(precision) not in ("16-mixed", "16") or not on_cpu:
+        return None
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def build_quietly(cli_class: Callable[..., CLI], *args: Any, **kwargs: Any) -> CLI:
+    """``cli_class(*args, parser_class=OneLineParser, run=False, **kwargs)``, saying "Seed set to"
+    only once the configuration is valid (a mistake is then the only line printed)."""
+    seed_log = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    seed_log.setLevel(logging.WARNING)
+    try:
+        cli = cli_class(*args, parser_class=OneLineParser, run=False, **kwargs)
+    finally:
+        seed_log.setLevel(level)
+    rank_zero_info(f"Seed set to {cli.config.seed_everything}")
+    return cli
+
+
+def run_main(main: Callable[[Optional[list[str]]], None], args: Optional[list[str]] = None) -> int:
+    """``main(args)`` with user errors (:class:`recipes.errors.UsageError`, and Lightning's for a bad
+    ``--trainer.*`` value) as one stderr line and exit status 2; 0 otherwise."""
+    try:
+        main(args)
+    except (UsageError, MisconfigurationException) as err:
+        return report(err)
+    return 0
