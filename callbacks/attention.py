@@ -26,26 +26,26 @@ How a logging step works (the steps are Lightning's own,
    "Attention" custom-scalars layout.
 
 Between logging steps no hook is registered and nothing runs but a step-number check. The
-life cycle (when to open and close a capture, logging, warnings, state) is
-:class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds what is
-watched and computed.
+life cycle (when to open and close a capture, arming it for the training forward only, logging,
+warnings, state) is :class:`~lightning_mrs.callbacks.forward_monitor.ForwardCaptureMonitor`'s;
+this module adds what is watched and computed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from functools import partial
-from typing import Any, Optional
+from typing import Optional
 
 import lightning.pytorch as pl
-import torch
 from torch import nn
 from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
 from lightning_mrs.callbacks.capture import reduce_over_ranks
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
+from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
+from lightning_mrs.callbacks.monitor_base import check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
 
@@ -76,7 +76,7 @@ def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
     return " and ".join(terms) or None
 
 
-class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
+class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
     """Log the logits and softmax of every attention layer as ``attention/<layer>/<stat>``.
 
     Per layer, from the per-head queries and keys that enter the logits (the outputs of the
@@ -182,38 +182,6 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     def _open_capture(self, layers: list[WatchedLayer], step: int, pl_module: pl.LightningModule) -> AttentionCapture:
         return AttentionCapture(layers, step, pl_module.device, self.max_queries, self.collapse_threshold,
                                 self._warn_once)
-
-    # ------------------------------------------------------------------ hooks
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._discover(pl_module)  # warnings now, not at the first logging step
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._capture is not None:
-            self._capture.arm()  # every micro-batch of the logging step
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._capture is not None:
-            self._capture.disarm()  # the training forward is over
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._capture is not None:
-            self._capture.stepped = True
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._capture is not None:
-            self._capture.disarm()  # at the latest; the next micro-batch of a logging step re-arms it
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     # ------------------------------------------------------------------ reduce + log
     @override

@@ -16,10 +16,11 @@ from torch import nn
 
 from helpers.hf_attention import TinyLM, token_data
 from helpers.lightning import fit
-from helpers.recording_logger import RecordingLogger
+from helpers.recording_logger import RecordingLogger, monitor_tag
 from helpers.reference import attention_ref, mrs_norm_ref
 from lightning_mrs import expose_attention, swap_norms
 from lightning_mrs.callbacks import AttentionMonitor
+from lightning_mrs.callbacks.tb_layout import ATTENTION
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,7 +81,7 @@ def test_llama_figures_match_materialised_softmax(qk_norm, recording_logger: Rec
     got = recording_logger.history
     for layer, figures in ref.items():
         for stat in FIGURES + (("q_norm_mean", "k_norm_mean") if qk_norm else ()):
-            assert got[f"attention/{layer}/{stat}"][0] == pytest.approx(figures[stat], rel=1e-4, abs=1e-5), stat
+            assert got[ATTENTION.tag(layer, stat)][0] == pytest.approx(figures[stat], rel=1e-4, abs=1e-5), stat
     unseen = [str(w.message) for w in caught if "does not recompute" in str(w.message)]
     assert len(unseen) == 1
     assert "model.model.layers.0.self_attn (rotary embeddings and the causal mask)" in unseen[0]
@@ -103,7 +104,7 @@ def test_native_qk_norm_layouts_are_read_per_head(family: str, recording_logger:
     assert q.shape == (BATCH, 4, LENGTH, 16) and k.shape == (BATCH, 2, LENGTH, 16)
     ref = attention_ref(q, k, attn.scaling)
     for stat in FIGURES + ("q_norm_mean", "k_norm_mean"):  # their own (RMS) QK-norms: norm figures too
-        got = recording_logger.history[f"attention/model.model.layers.0.self_attn/{stat}"][0]
+        got = recording_logger.history[ATTENTION.tag("model.model.layers.0.self_attn", stat)][0]
         assert got == pytest.approx(ref[stat], rel=1e-4, abs=1e-5), stat
 
 
@@ -115,4 +116,4 @@ def test_unwrapped_llama_is_not_monitored_and_says_so(recording_logger: Recordin
             callbacks=[AttentionMonitor()])
     messages = [str(w.message) for w in caught if "no attention layer it can monitor" in str(w.message)]
     assert len(messages) == 1 and "transformers attention after lightning_mrs.swap.expose_attention" in messages[0]
-    assert not [tag for tag in recording_logger.history if tag.startswith("attention/")]
+    assert not [tag for tag in recording_logger.history if monitor_tag(tag, "attention/")]

@@ -10,6 +10,7 @@ from helpers.lightning import fit
 from helpers.recording_logger import RecordingLogger
 from lightning_mrs import iter_norm_layers
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 
 
 def test_an_unswapped_llama_is_monitored_layer_by_layer():
@@ -20,5 +21,5 @@ def test_an_unswapped_llama_is_monitored_layer_by_layer():
     fit(module, callbacks=[GradientHomogeneityMonitor(log_every_n_steps=1)], data=token_data(), batch_size=4,
         logger=logger)
     for name in names:
-        values = logger.history[f"phasor/{name}/grad_cv"]
+        values = logger.history[HOMOGENEITY.tag(name, "grad_cv")]
         assert len(values) == 2 and all(math.isfinite(v) and v > 0 for v in values.values()), name
