@@ -60,12 +60,14 @@ def no_decay_names(model: nn.Module) -> set[str]:
     return out
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def param_groups(model: nn.Module, weight_decay: float, no_decay: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Two AdamW parameter groups, ``decay`` and ``no_decay`` (each with its ``param_names``).
 
-    Parameters that do not require gradients are left out; a group with no parameters is dropped.
+    ``no_decay`` names more parameters to leave undecayed (the language model's token
+    embeddings). Parameters that do not require gradients are left out; a group with no
+    parameters is dropped.
     """
-    skip = no_decay_names(model)
+    skip = no_decay_names(model) | set(no_decay)
     groups: dict[str, dict[str, Any]] = {
         "decay": {"name": "decay", "weight_decay": weight_decay, "params": [], "param_names": []},
         "no_decay": {"name": "no_decay", "weight_decay": 0.0, "params": [], "param_names": []},

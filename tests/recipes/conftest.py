@@ -38,3 +38,18 @@ def recipe_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFix
         return error_line(status, capfd.readouterr().err)  # fd level: Lightning logs to the real stderr
 
     return check
+
+
+@pytest.fixture
+def lm_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture,
+             monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], str]:
+    """:func:`recipe_error` for ``recipes/lm.py``: run it in-process on a mistake, return the error line."""
+    from recipes.lm import run
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+
+    def check(args: list[str]) -> str:
+        status = run(args)
+        return error_line(status, capfd.readouterr().err)
+
+    return check

@@ -1,0 +1,204 @@
+"""The language-model recipe's LightningDataModule: real text, offline, as bytes.
+
+``--data.dataset``:
+
+* ``stdlib`` (default): the ``.py`` files of the running interpreter's standard library
+  (outside its test suites and installed packages: :func:`recipes.text_corpus.stdlib_files`;
+  734 files, 12.1 MB on CPython 3.11.7), real text nobody here wrote;
+* ``text``: your text files, ``--data.path FILE_OR_DIR`` (a folder: every non-hidden file under
+  it, each UTF-8 text, or one error line naming the file that is not).
+
+The sorted file list is split into training and validation BY FILE with ``--data.split_seed``
+(``--data.val_fraction`` of the files; a single file is cut in two); the sizes, the split and
+the Python version go to the log. Bytes are the tokens (vocabulary 256). A sample is a window
+of ``seq_len + 1`` consecutive bytes (inputs and their next-byte targets):
+
+* training: windows at uniformly random offsets of the training bytes, an endless stream
+  (:class:`RandomWindows`), seeded by the run's seed (``seed_everything``), the process's
+  global rank, the DataLoader worker and the step the run starts at (a resumed run draws new
+  windows); so the run's length is ``--trainer.max_steps``, not epochs;
+* validation: a fixed set of ``--data.val_windows`` windows at evenly spaced offsets of the
+  validation bytes (:class:`FixedWindows`): every validation sees the same bytes.
+
+Example:
+    >>> dm = TextDataModule(dataset="stdlib", seq_len=16, batch_size=4, val_windows=8)
+    >>> dm.setup("fit")
+    >>> batch = next(iter(dm.train_dataloader()))
+    >>> batch.shape, batch.dtype, len(dm.val_set)
+    (torch.Size([4, 17]), torch.uint8, 8)
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Iterator, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from typing_extensions import override
+
+from recipes.errors import UsageError
+from recipes.text_corpus import Split, load_split, stdlib_files, text_files, unigram_entropy
+
+__all__ = ["TEXT_DATASETS", "FixedWindows", "RandomWindows", "TextDataModule"]
+
+TEXT_DATASETS = ("stdlib", "text")
+
+
+class RandomWindows(IterableDataset):
+    """An endless stream of ``(length,)`` uint8 windows at uniformly random offsets of ``data``."""
+
+    def __init__(self, data: torch.Tensor, length: int, seed: int) -> None:
+        if data.numel() < length:
+            raise ValueError(f"RandomWindows: {data.numel()} bytes are fewer than one window of {length}")
+        self.data, self.length, self.seed = data, length, seed
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        g = torch.Generator().manual_seed((self.seed * 1000 + worker) % 2**63)  # each worker its own stream
+        high = self.data.numel() - self.length + 1
+        while True:
+            for start in torch.randint(0, high, (1024,), generator=g).tolist():
+                yield self.data[start:start + self.length]  # (length,)
+
+
+class FixedWindows(Dataset):
+    """``count`` windows of ``length`` bytes at evenly spaced offsets of ``data`` (first and last included)."""
+
+    def __init__(self, data: torch.Tensor, length: int, count: int) -> None:
+        if data.numel() < length:
+            raise ValueError(f"FixedWindows: {data.numel()} bytes are fewer than one window of {length}")
+        self.data, self.length = data, length
+        self.starts = torch.linspace(0, data.numel() - length, count).round().long().tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = self.starts[index]
+        return self.data[start:start + self.length]  # (length,)
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Byte windows of the standard library's sources or of your text files (see the module docstring).
+
+    Args:
+        dataset: ``stdlib`` (the interpreter's standard library ``.py`` files) or ``text``
+            (``path``).
+        path: ``text``: a UTF-8 text file or a folder of them (recursively; hidden files skipped).
+        seq_len: bytes the model sees per sample (each window holds ``seq_len + 1``).
+        batch_size: windows per device and step; the global batch is this times the number of
+            processes (and gradient-accumulation steps).
+        val_fraction: share of the files held out for validation (of the bytes, for one file).
+        split_seed: seed of the split by file (same seed, same split everywhere).
+        val_windows: validation windows (evenly spaced over the validation bytes; fixed).
+        num_workers: DataLoader worker processes per device; ``None``: 0 on the CPU (the model
+            needs the cores), else 2 (windows are slices of a tensor in memory: cheap).
+
+    Raises:
+        UsageError: a bad option; (when the data is loaded) a missing path, a folder without
+            files, a file that is not text, or too little text for ``seq_len``: one line each.
+    """
+
+    def __init__(
+        self,
+        dataset: Literal["stdlib", "text"] = "stdlib",
+        path: Optional[str] = None,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        val_fraction: float = 0.1,
+        split_seed: int = 0,
+        val_windows: int = 256,
+        num_workers: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if dataset not in TEXT_DATASETS:
+            raise UsageError(f"--data.dataset {dataset!r} is not valid; choose one of {list(TEXT_DATASETS)}.")
+        if dataset == "text" and not path:
+            raise UsageError("--data.dataset text needs --data.path FILE_OR_DIR (your UTF-8 text files).")
+        if dataset == "stdlib" and path:
+            raise UsageError(f"--data.path {path!r} is only read with --data.dataset text; drop it or add "
+                             "--data.dataset text.")
+        for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("val_windows", val_windows, 1)):
+            if value < low:
+                raise UsageError(f"--data.{name} must be >= {low}, got {value}.")
+        if not 0.0 < val_fraction < 1.0:
+            raise UsageError(f"--data.val_fraction must lie in (0, 1), got {val_fraction}.")
+        if num_workers is not None and num_workers < 0:
+            raise UsageError(f"--data.num_workers must be >= 0 or None (auto), got {num_workers}.")
+        self.save_hyperparameters()
+        self.dataset, self.path, self.seq_len, self.batch_size = dataset, path, seq_len, batch_size
+        self.val_fraction, self.split_seed, self.val_windows = val_fraction, split_seed, val_windows
+        self.num_workers = num_workers
+        self.root: Optional[str] = None
+        self.train_split: Optional[Split] = None
+        self.val_split: Optional[Split] = None
+        self.val_set: Optional[FixedWindows] = None
+
+    def describe(self) -> str:
+        """Where the text comes from, its sizes and split, for the log (after :meth:`load`)."""
+        assert self.train_split is not None and self.val_split is not None
+        tr, va = self.train_split, self.val_split
+        source = (f"stdlib of Python {platform.python_version()} ({self.root})" if self.dataset == "stdlib"
+                  else f"text {self.root}")
+        n = len(set(tr.files) | set(va.files))
+        how = "one file cut in two" if n == 1 else f"split by file, seed {self.split_seed}"
+        return (f"data: {source}: {n} files, {(tr.nbytes + va.nbytes) / 1e6:.2f} MB; {how}: train "
+                f"{len(tr.files)} files {tr.nbytes / 1e6:.2f} MB, val {len(va.files)} files {va.nbytes / 1e6:.3f} MB "
+                f"(unigram entropy {unigram_entropy(va.data):.2f} bits/byte); windows of {self.seq_len} + 1 bytes")
+
+    def load(self) -> None:
+        """Read and check the text and split it (once; the recipe calls it before the trainer is built)."""
+        if self.train_split is not None:
+            return
+        if self.dataset == "stdlib":
+            self.root, files = stdlib_files()
+        else:
+            self.root, files = os.path.abspath(self.path), text_files(self.path)
+        train, val = load_split(files, self.val_fraction, self.split_seed, check_text=self.dataset == "text")
+        need = self.seq_len + 1
+        if min(train.nbytes, val.nbytes) < need:
+            raise UsageError(
+                f"--data.seq_len {self.seq_len} needs at least {need} bytes in each split, but "
+                f"{self.root if self.dataset == 'text' else 'the text'} ({len(files)} file{'s' * (len(files) > 1)}, "
+                f"{train.nbytes + val.nbytes} bytes) gives training {train.nbytes} and validation {val.nbytes} "
+                "bytes: add text, lower --data.seq_len or change --data.val_fraction."
+            )
+        self.train_split, self.val_split = train, val
+        self.val_set = FixedWindows(val.data, need, self.val_windows)
+        rank_zero_info(self.describe())
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.load()
+
+    def _workers(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        trainer = self.trainer
+        if trainer is None or type(trainer.accelerator).__name__ == "CPUAccelerator":
+            return 0
+        return 2
+
+    def _loader(self, dataset: Dataset, **kwargs) -> DataLoader:
+        workers = self._workers()
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=workers, persistent_workers=workers > 0,
+                          pin_memory=torch.cuda.is_available(), **kwargs)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        self.load()
+        trainer = self.trainer
+        rank = trainer.global_rank if trainer is not None else 0
+        start = trainer.global_step if trainer is not None else 0  # a resumed run draws new windows
+        seed = (torch.initial_seed() * 1_000_003 + rank * 10_007 + start) % 2**62
+        return self._loader(RandomWindows(self.train_split.data, self.seq_len + 1, seed))
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        self.load()
+        return self._loader(self.val_set, shuffle=False)

@@ -1,0 +1,245 @@
+"""recipes/lm.py: fits in each precision (fp16 really fp16, with a scaler), metrics, text, mistakes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import ROOT
+from helpers.scripts import run_script
+from recipes.errors import UsageError
+
+SCRIPT = ROOT / "recipes" / "lm.py"
+TINY_CONFIG = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+               "intermediate_size": 64}
+TINY = ["--model.config", json.dumps(TINY_CONFIG), "--data.seq_len", "32", "--data.batch_size", "4",
+        "--data.val_windows", "8", "--trainer.accelerator", "cpu", "--trainer.max_steps", "3",
+        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1", "--model.sample_bytes", "8",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+OWN_NORMS = ["--model.norm", "none"]
+
+
+def _events(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _fit(args: list[str], monkeypatch: pytest.MonkeyPatch):
+    from recipes.lm import build_cli
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+    cli = build_cli(args)
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli, before
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
+                                              ("16-mixed", torch.float16)])
+def test_fit_in_each_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str,
+                               dtype: torch.dtype) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    cli, before = _fit([*TINY, *OWN_NORMS, "--trainer.precision", precision,
+                        "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
+    model, trainer = cli.model, cli.trainer
+    assert trainer.global_step == 3
+    assert model.activation_dtype == dtype  # an activation inside the first decoder layer
+    assert trainer.precision == precision and f"activations ran in {dtype}" in model.describe_precision()
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # mixed precision keeps fp32 weights
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    plugin = trainer.precision_plugin
+    if precision == "16-mixed":  # fp16 autocast with a loss scaler on the CPU, not Lightning's silent bf16
+        assert isinstance(plugin, MixedPrecision) and plugin.device == "cpu" and plugin.precision == "16-mixed"
+        scaler = plugin.scaler
+        assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+        assert 0 < scaler.get_scale() <= 2.0**16  # used: the scale tensor exists (65536 or backed off)
+        saved = torch.load(Path(trainer.checkpoint_callback.last_model_path), weights_only=False)
+        assert saved["MixedPrecision"]["scale"] == scaler.get_scale()
+    else:
+        assert getattr(plugin, "scaler", None) is None
+
+    run = Path(trainer.log_dir)
+    acc = _events(run)
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    for tag in ("train/loss", "train/tokens_per_s", "val/loss", "val/bpb"):
+        assert tag in scalars, sorted(scalars)
+    assert [s for s, _ in scalars["val/loss"]] == [1, 2]  # after step 2 and at the end (ValidateAtEnd)
+    for (_, loss), (_, bpb) in zip(scalars["val/loss"], scalars["val/bpb"]):
+        assert bpb == pytest.approx(loss / math.log(2), rel=1e-6)
+    assert 5.0 < scalars["val/loss"][0][1] / math.log(2) < 8.5  # untrained: about log2(256) = 8 bits
+    assert all(v > 0 for _, v in scalars["train/tokens_per_s"])
+    texts = acc.Tensors("samples/greedy/text_summary")
+    assert [e.step for e in texts] == [2, 3]
+    logged = texts[-1].tensor_proto.string_val[0].decode()
+    assert logged == "\n".join("    " + line for line in (model.hparams.prompt + model.last_sample).splitlines())
+    assert len(model.last_sample.encode("utf-8", errors="surrogateescape")) >= 1
+
+
+def _val_bpb(trainer) -> list[float]:
+    return [e.value for e in _events(Path(trainer.log_dir)).Scalars("val/bpb")]
+
+
+def test_it_learns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """100 steps of the tiny model on the standard library: below the bytes' unigram entropy (4.6 bits;
+    an untrained model: about 8), so it uses the context."""
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--trainer.max_steps", "100", "--trainer.val_check_interval", "50",
+                   "--model.lr", "0.01", "--data.batch_size", "8", "--trainer.default_root_dir", str(tmp_path)],
+                  monkeypatch)
+    from recipes.text_corpus import unigram_entropy
+
+    unigram = unigram_entropy(cli.datamodule.val_split.data)
+    first, last = _val_bpb(cli.trainer)
+    assert last < first and last < unigram - 0.2, (first, last, unigram)
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2}),  # GPT-2's own field names
+    ("qwen3", {**TINY_CONFIG}),  # has QK-norms of its own
+    ("gpt_neox", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}),
+])
+def test_other_architectures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, config: dict) -> None:
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--model.arch", arch, "--model.config", json.dumps(config),
+                   "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
+    hf = cli.model.model
+    assert hf.config.model_type == arch and hf.config.vocab_size == 256 and hf.config.hidden_size == 32
+    assert hf.config.num_hidden_layers == 2 and cli.trainer.global_step == 3
+    assert all(math.isfinite(v) for v in _val_bpb(cli.trainer))
+
+
+def test_optimizer_groups_schedule_and_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--model.lr", "0.01", "--model.warmup_frac", "0.34",
+                   "--trainer.default_root_dir", str(tmp_path)], monkeypatch)
+    model, trainer = cli.model, cli.trainer
+    assert trainer.gradient_clip_val == 1.0
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+    groups = {g["name"]: g for g in optimizer.param_groups}
+    assert groups["decay"]["weight_decay"] == 0.1 and groups["no_decay"]["weight_decay"] == 0.0
+    by_id = {id(p): n for n, p in model.model.named_parameters()}
+    no_decay = {by_id[id(p)] for p in groups["no_decay"]["params"]}
+    decay = {by_id[id(p)] for p in groups["decay"]["params"]}
+    modules = dict(model.model.named_modules())
+    for name in no_decay | decay:
+        owner = type(modules[name.rsplit(".", 1)[0]])
+        expected_no_decay = issubclass(owner, nn.Embedding) or "Norm" in owner.__name__ or name.endswith("bias")
+        assert (name in no_decay) == expected_no_decay, name
+    assert "model.embed_tokens.weight" in no_decay and "model.layers.0.self_attn.q_proj.weight" in decay
+    # 3 steps, 1 of warm-up, then cosine to 0: factors 1, 1, 0.5 (the lr of the last step taken)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 2 / 2)), abs=1e-9)
+
+
+def test_command_line_end_to_end(tmp_path: Path) -> None:
+    proc = run_script(SCRIPT, [*TINY, *OWN_NORMS, "--trainer.default_root_dir", str(tmp_path)], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "precision 32-true: activations ran in torch.float32" in out
+    assert "data: stdlib of Python" in out and "global batch 4 windows of 32 bytes" in out
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and list((run / "checkpoints").glob("best-*.ckpt"))
+    from recipes.lm import ByteLM
+
+    model = ByteLM.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
+    assert model.model.config.hidden_size == 32 and model.model.config.vocab_size == 256
+    logits = model(torch.zeros(1, 5, dtype=torch.long))  # (1, 5, 256)
+    assert logits.shape == (1, 5, 256) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.arch", "lama"], "error: --model.arch 'lama' is not a transformers model_type with a causal-LM head; "
+                               "did you mean 'llama'"),
+    (["--model.arch", "gpt-2"], "did you mean 'gpt2'"),
+    (["--model.config", '{"hiden_size": 64}'], "error: --model.config: llama's config has no field 'hiden_size'; "
+                                               "did you mean 'hidden_size'"),
+    (["--model.norm", "batch"], "error: Parser key \"model.norm\""),
+    (["--trainer.max_steps", "-1"], "error: --trainer.max_steps must be > 0, got -1"),
+    (["--data.dataset", "text", "--data.path", "/nonexistent/corpus"],
+     "error: --data.path /nonexistent/corpus: no such file or directory"),
+    (["--ckpt_path", "/nonexistent.ckpt"], "error: --ckpt_path '/nonexistent.ckpt': no such file"),
+])
+def test_mistakes_are_one_line(lm_error: Callable[[list[str]], str], args: list[str], expected: str) -> None:
+    line = lm_error([*TINY, *OWN_NORMS, *args])
+    assert line.startswith(expected) or expected in line, line
+
+
+def test_binary_file_in_the_folder_is_one_line(lm_error: Callable[[list[str]], str], tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello\n" * 100)
+    (tmp_path / "b.bin").write_bytes(bytes(range(256)))
+    line = lm_error([*TINY, *OWN_NORMS, "--data.dataset", "text", "--data.path", str(tmp_path)])
+    assert line == (f"error: --data.path: {tmp_path / 'b.bin'} is not UTF-8 text (a binary byte at offset 0); "
+                    "remove it from the folder, convert it to UTF-8, or point --data.path elsewhere.")
+
+
+def test_transformers_missing_names_the_extra(lm_error: Callable[[list[str]], str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    line = lm_error(TINY)
+    assert 'transformers is not installed: pip install -e ".[hf]"' in line, line
+
+
+class _OddNorm(nn.Module):  # a norm layer no swap knows
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().mean(-1, keepdim=True)
+
+
+def test_a_swap_that_converts_nothing_is_an_error() -> None:
+    from lightning_mrs import swap_norms
+    from recipes.lm_checks import check_swap
+
+    model = nn.Sequential(nn.Linear(4, 4), _OddNorm(), _OddNorm())
+    with pytest.raises(UsageError, match=r"--model.norm mrs: swap_norms converted none of the toy model's norm "
+                                         r"layers \(_OddNorm x2; .*\); use --model.norm none"):
+        check_swap(model, "toy", "mrs", "none", swap_norms(model, "mrs"))
+    with pytest.raises(UsageError, match="--model.qk_norm rms: swap_norms added no QK-norm to the toy model"):
+        check_swap(model, "toy", "none", "rms", swap_norms(model, None, qk_norm="rms"))
+    ok = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    check_swap(ok, "toy", "rms", "none", swap_norms(ok, "rms"))  # converted one: fine
+
+
+def _multi_process(tmp_path: Path, strategy: str) -> str:
+    proc = run_script(SCRIPT, [*TINY, *OWN_NORMS, "--trainer.devices", "2", "--trainer.strategy", strategy,
+                               "--trainer.default_root_dir", str(tmp_path)], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "global batch 8 windows of 32 bytes = 4 per device x 2 processes" in out
+    assert "fit: 3 steps in" in out
+    return out
+
+
+def test_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
+    out = _multi_process(tmp_path, "fsdp2")
+    assert "FSDP2: fully_shard on 2 decoder layers (LlamaDecoderLayer) and the whole model, over 2 processes" in out
+    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_dir()  # a sharded checkpoint
+
+
+@pytest.mark.slow
+def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
+    _multi_process(tmp_path, "ddp")
+
+
+@pytest.mark.parametrize("kind", ["mrs", "rms"])
+def test_qk_norm_on_llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    pytest.importorskip("lightning_mrs.swap.attention_hf", reason="QK-norms on transformers attention not merged")
+    from lightning_mrs import MRSNorm
+
+    cli, _ = _fit([*TINY, *OWN_NORMS, "--model.qk_norm", kind, "--trainer.default_root_dir", str(tmp_path)],
+                  monkeypatch)
+    report = cli.model.swap_report
+    expected = MRSNorm if kind == "mrs" else nn.RMSNorm
+    assert sorted(report.qk_added) == sorted(f"model.layers.{i}.self_attn.{q}" for i in range(2)
+                                             for q in ("q_norm", "k_norm")), report.qk_added
+    modules = dict(cli.model.model.named_modules())
+    assert all(isinstance(modules[name], expected) for name in report.qk_added)
+    assert cli.trainer.global_step == 3
