@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
+from lightning_mrs.callbacks.capture import reduce_over_ranks
 from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
@@ -71,18 +72,6 @@ def _unseen_terms(module: nn.Module) -> Optional[str]:
     if getattr(module, "rope", None) is not None or type(module).__name__ in _ROPE_CLASSES:
         terms.append("rotary embeddings (when the model passes them)")
     return " and ".join(terms) or None
-
-
-def _reduce(strategy: Any, flat: torch.Tensor, op: str) -> torch.Tensor:
-    """``op`` (``"sum"`` or ``"max"``) over ranks through ``strategy.reduce``; a strategy that
-    only sums (XLA) gives the maximum through one ``all_gather`` instead."""
-    if op == "sum":
-        return strategy.reduce(flat, reduce_op="sum")
-    try:
-        return strategy.reduce(flat, reduce_op=torch.distributed.ReduceOp.MAX if torch.distributed.is_available()
-                               else "max")
-    except ValueError:
-        return strategy.all_gather(flat).reshape(-1, flat.numel()).amax(dim=0)  # (world, n) -> (n,)
 
 
 class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
@@ -223,6 +212,6 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     # ------------------------------------------------------------------ reduce + log
     @override
     def _finish(self, trainer: pl.Trainer, capture: AttentionCapture) -> None:
-        sums = capture.reduced(partial(_reduce, trainer.strategy))
+        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
         metrics = step_metrics(capture.layers, sums)
         self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])

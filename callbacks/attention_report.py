@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_mrs.attention_stats import (
     FIGURE_NAMES, AttentionSums, aggregate_figures, attention_figures, attention_sums,
 )
-from lightning_mrs.callbacks.homogeneity_capture import Warn, apply_flat, no_warning, sums_dtype
+from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo
 

@@ -3,9 +3,8 @@
 A :class:`Capture` exists only while a logging step runs. Opening it registers a forward
 pre-hook on each monitored norm layer; :meth:`Capture.close` is the one place that removes
 them. During backward the tensor hooks add each layer's :class:`~lightning_mrs.stats.PhasorSums`
-under the layer's name; :meth:`Capture.reduced` sums them over ranks with one collective.
-:func:`apply_flat` runs one operation (that collective, the step's device-to-host copy) on
-many named tensors at once and hands them back by name.
+under the layer's name; :meth:`Capture.reduced` sums them over ranks with one collective
+(:func:`~lightning_mrs.callbacks.capture.apply_flat`).
 
 Example:
     >>> import torch
@@ -23,47 +22,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Hashable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
 from lightning_mrs.stats import PhasorSums, phasor_sums, weight_grad_stats
 from lightning_mrs.swap.registry import NormSpec
 
-__all__ = ["Capture", "MonitoredLayer", "Warn", "apply_flat", "no_warning", "sums_dtype"]
-
-Warn = Callable[[str, str], None]  # (once-key, message)
-K = TypeVar("K", bound=Hashable)
-
-
-def apply_flat(named: Mapping[K, Tensor], fn: Callable[[Tensor], Tensor], dtype: Optional[torch.dtype] = None) -> dict[K, Tensor]:
-    """Run ``fn`` once on every tensor of ``named``, concatenated, and hand them back by name.
-
-    One collective (``fn = strategy.reduce``) or one device-to-host copy (``fn = Tensor.cpu``)
-    serves any number of named tensors; only this function knows where each one lies in the
-    flat vector.
-
-    Args:
-        named: name -> tensor, any shapes, all on one device.
-        fn: an element-wise-preserving map of a flat vector (same length out).
-        dtype: the dtype of the flat vector (default: the first tensor's).
-
-    Returns:
-        name -> ``fn``'s output for that tensor, in its original shape.
-
-    Example:
-        >>> out = apply_flat({"a": torch.ones(2), "b": torch.tensor(3.0)}, lambda t: t * 2)
-        >>> out["a"].tolist(), out["b"].item()
-        ([2.0, 2.0], 6.0)
-    """
-    values = list(named.values())
-    if not values:
-        return {}
-    dtype = dtype or values[0].dtype
-    flat = fn(torch.cat([v.reshape(-1).to(dtype) for v in values]))  # (sum of numels,)
-    parts = flat.split([v.numel() for v in values])
-    return {key: part.reshape(v.shape) for (key, v), part in zip(named.items(), parts)}
+__all__ = ["Capture", "MonitoredLayer"]
 
 
 @dataclass
@@ -77,15 +45,6 @@ class MonitoredLayer:
     @property
     def num_phasors(self) -> int:
         return self.spec.num_channels // 2
-
-
-def no_warning(key: str, message: str) -> None:
-    """The default ``warn`` of a capture: problems met in a hook are dropped."""
-
-
-def sums_dtype(device: torch.device) -> torch.dtype:
-    """The dtype a capture accumulates its sums in on ``device``."""
-    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
 class Capture:

@@ -35,7 +35,8 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer, apply_flat
+from lightning_mrs.callbacks.capture import apply_flat
+from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
 

@@ -270,7 +270,7 @@ def test_phasor_sums_add_and_validate() -> None:
 
 def test_apply_flat_runs_once_and_restores_names() -> None:
     """The monitor's one-collective / one-copy helper (torch only, lives with the capture)."""
-    from lightning_mrs.callbacks.homogeneity_capture import apply_flat
+    from lightning_mrs.callbacks.capture import apply_flat
 
     named = {("a", "v"): torch.arange(3.0), ("b", "s"): torch.tensor(5.0), ("c", "m"): torch.ones(2, 2)}
     calls = []

@@ -303,7 +303,7 @@ class SumOnlyStrategy:
 
 
 def test_max_over_ranks_without_a_max_reduce() -> None:
-    from lightning_mrs.callbacks.attention import _reduce
+    from lightning_mrs.callbacks.capture import reduce_over_ranks as _reduce
 
     strategy = SumOnlyStrategy(torch.tensor([1.0, 5.0, 2.0]), torch.tensor([3.0, 4.0, 2.5]))
     assert _reduce(strategy, torch.zeros(3), "max").tolist() == [3.0, 5.0, 2.5]

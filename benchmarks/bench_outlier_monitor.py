@@ -1,0 +1,125 @@
+"""Train-step time of a small ViT with and without ``OutlierMonitor``.
+
+The same protocol and model as ``bench_attention_monitor.py`` (whose step clock and ViT it
+uses): configurations measured in interleaved repeats (each repeat runs them in a rotated
+order, so machine noise hits all alike), each a real Lightning ``Trainer.fit`` with a
+TensorBoard logger on one fixed random data set:
+
+* ``none``: no monitor (the ratios' denominator);
+* ``default``: the monitor at the Trainer's ``log_every_n_steps`` (50): one capture per 50
+  steps, so a fit's mean step time over a multiple of 50 steps is its amortised cost;
+* ``every``: the monitor capturing every step (the cost of one logging step).
+
+A step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
+optimizer step and every callback hook; on a GPU both marks synchronise the device); the
+first ``--warmup`` steps of each fit are dropped. Per configuration the printed figure is the
+median over repeats of each fit's mean step time; its ratio to ``none``'s is the overhead.
+Target: ``default`` <= 1.02x ``none``.
+
+The model: timm ``vit_small_patch16_224`` (12 blocks, width 384: 25 LayerNorms watched) on
+``--img-size`` images with ``--patch-size`` patches (default 32/4: 65 tokens).
+
+Usage (from the repository root, on an otherwise idle machine)::
+
+    python benchmarks/bench_outlier_monitor.py                        # CPU or GPU (auto), batch 64
+    python benchmarks/bench_outlier_monitor.py --accelerator gpu --batch-size 256 --repeats 5
+    python benchmarks/bench_outlier_monitor.py --steps 2 --warmup 1 --repeats 1   # a quick check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention_monitor import Clock, ViTClassifier  # noqa: E402 - the sibling benchmark's clock and model
+
+from lightning_mrs.callbacks import OutlierMonitor  # noqa: E402
+
+INTERVAL = 50
+CONFIGS = ("none", "default", "every")
+
+
+def fit_once(config: str, module: ViTClassifier, loader: DataLoader, args: argparse.Namespace, logdir: str,
+             ) -> list[float]:
+    """The timed steps of one fit of ``config``."""
+    start = Clock()
+    monitor = {"none": [], "default": [OutlierMonitor()], "every": [OutlierMonitor(1)]}[config]
+    trainer = pl.Trainer(
+        max_steps=args.warmup + args.steps, accelerator=args.accelerator, devices=1, precision=args.precision,
+        logger=TensorBoardLogger(logdir, name=config), log_every_n_steps=INTERVAL,
+        callbacks=[start, *monitor, Clock(start=start)],  # the monitor's hooks fall inside the span
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    return start.times[args.warmup:]
+
+
+def report(fit_means: dict[str, list[float]], header: str) -> None:
+    """The table of medians, ratios to ``none`` and per-repeat ratios."""
+    print(header)
+    base = statistics.median(fit_means["none"])
+    print(f"{'config':>8} | {'median of fit means, ms':>23} | {'ratio to none':>13} | per-repeat ratios")
+    for config, means in fit_means.items():
+        ratios = " ".join(f"{m / b:.3f}" for m, b in zip(means, fit_means["none"]))
+        print(f"{config:>8} | {1e3 * statistics.median(means):23.2f} | {statistics.median(means) / base:13.3f} | {ratios}")
+    every = statistics.median(fit_means["every"]) / base
+    print(f"one logging step costs {every:.3f}x a plain step -> amortised over {INTERVAL} steps "
+          f"{1 + (every - 1) / INTERVAL:.4f}x; measured at the default interval "
+          f"{statistics.median(fit_means['default']) / base:.4f}x (target <= 1.02)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--img-size", type=int, default=32)
+    parser.add_argument("--patch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=INTERVAL, help=f"timed steps per fit (a multiple of {INTERVAL})")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--accelerator", default="auto", help="Trainer(accelerator=...): auto, cpu, gpu")
+    parser.add_argument("--precision", default="32-true", help="Trainer(precision=...), e.g. bf16-mixed")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--json", default=None, help="also write each fit's mean step time here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
+    if args.steps % INTERVAL:
+        print(f"note: --steps {args.steps} is not a multiple of {INTERVAL}: 'default' is then not its amortised "
+              "cost", file=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pl.seed_everything(0, verbose=False)
+    module = ViTClassifier(args.img_size, args.patch_size, "none")
+    n = args.batch_size * (args.warmup + args.steps)
+    data = TensorDataset(torch.randn(n, 3, args.img_size, args.img_size), torch.randint(0, 100, (n,)))
+    loader = DataLoader(data, batch_size=args.batch_size)
+    fit_means: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    with tempfile.TemporaryDirectory() as logdir:
+        for r in range(args.repeats):
+            for config in CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]:
+                fit_means[config].append(statistics.fmean(fit_once(config, module, loader, args, logdir)))
+                print(f"repeat {r + 1}/{args.repeats} {config:>7}: {1e3 * fit_means[config][-1]:8.2f} ms/step",
+                      file=sys.stderr, flush=True)
+    device = "cuda" if torch.cuda.is_available() and args.accelerator in ("auto", "gpu", "cuda") else "cpu"
+    tokens = (args.img_size // args.patch_size) ** 2 + 1
+    report(fit_means, f"ViT-S, {tokens} tokens, batch {args.batch_size}, {args.precision}, {args.accelerator} "
+                      f"({device}{'' if device == 'cuda' else f' x{torch.get_num_threads()} threads'}); "
+                      f"{args.repeats} interleaved repeats of {args.steps} timed steps")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "fit_means": fit_means}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

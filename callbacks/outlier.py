@@ -1,0 +1,160 @@
+"""``OutlierMonitor``: activation outliers at the input of every norm layer, live.
+
+PAPER.md's premise: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the denominator
+quadratically (and overflows it in float16), where MRSNorm's mean of pair magnitudes takes it
+in linearly. This monitor measures that premise on the tensors that really enter the norms
+during training: on logging steps only, a forward pre-hook on every norm layer
+(:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which) reduces its
+input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
+
+How a logging step works (the steps are Lightning's own,
+:mod:`lightning_mrs.callbacks.logging_steps`: the figures appear where ``self.log``'s do):
+
+1. ``on_train_batch_start``: the norm layers are found and a forward pre-hook goes on each
+   (:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`); each call reduces its
+   input at once (nothing is kept beyond the call).
+2. ``on_before_backward`` (and at the latest ``on_train_batch_end``): the hooks are removed.
+   Only the training forward is captured: not backward recomputation (activation
+   checkpointing), not validation. Micro-batches of gradient accumulation add up.
+3. ``on_train_batch_end`` of the batch Lightning logs: two ``trainer.strategy.reduce`` calls,
+   the step's only collectives (a sum for counts and sums, ``ReduceOp.MAX`` for the maxima),
+   figures on the device, one copy to the host, logged from rank zero through every logger;
+   TensorBoard also gets, once, the "Activation outliers" custom-scalars layout.
+
+Between logging steps no hook is registered and nothing runs but a step-number check. The
+life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_mrs.callbacks.capture import reduce_over_ranks
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor
+from lightning_mrs.callbacks.outlier_report import OUTLIER, OutlierCapture, WatchedNorm, find_norm_inputs, step_metrics
+from lightning_mrs.outlier_stats import FIGURE_NAMES
+
+__all__ = ["OutlierMonitor"]
+
+
+class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
+    """Log activation-outlier figures of every norm layer's input as ``outlier/<layer>/<figure>``.
+
+    Per layer, over the tokens of the logging step's training forward (a token: the ``C``
+    channels of one position; see :mod:`lightning_mrs.outlier_stats` for the exact rules):
+
+    * ``absmax``: the largest ``|x|``;
+    * ``rms_share``: ``max_c x_c^2 / sum_c x_c^2``, the largest channel's share of RMSNorm's
+      denominator, for the worst token (``1/C`` .. ``1``);
+    * ``mrs_share``: ``max_i r_i / sum_i r_i``, ``r_i = |(x_{2i}, x_{2i+1})|``, the largest
+      phasor's share of MRSNorm's, for the worst token (even ``C`` only);
+    * ``outlier_ratio``: ``max_c |x_c| / median_c |x_c|`` for the worst token (Sun et al.'s
+      "massive activations" are ~1000);
+    * ``fp16_overflow_frac``: the share of inputs whose square overflows float16 (``|x| >= 256``);
+    * ``kurtosis``: the channels' kurtosis (3 for Gaussian ones), mean over tokens;
+    * ``nonfinite``: NaN/Inf inputs (left out of the other figures).
+
+    ``outlier/all/<figure>``: the worst (largest) layer's figure; ``nonfinite`` summed. Under
+    DDP the maxima are taken and the sums added over ranks: the figures of the global batch.
+
+    Args:
+        log_every_n_steps: capture on the batches Lightning logs at with this interval;
+            ``None`` uses the Trainer's ``log_every_n_steps``, and then the figures line up
+            with ``self.log``'s.
+        figures: the figures to log, any of :data:`lightning_mrs.outlier_stats.FIGURE_NAMES`.
+        per_layer: log ``outlier/<layer>/*``; ``False`` logs ``outlier/all/*`` only.
+        include: a regex; only norm layers whose name matches (``re.search``) are watched.
+        dashboard: write the TensorBoard custom-scalars layout ("Activation outliers").
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning_mrs.callbacks import OutlierMonitor
+        >>> trainer = pl.Trainer(callbacks=[OutlierMonitor(figures=["absmax", "rms_share", "mrs_share"])])  # doctest: +SKIP
+    """
+
+    owner = "OutlierMonitor"
+    board = OUTLIER
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        *,
+        figures: Sequence[str] = FIGURE_NAMES,
+        per_layer: bool = True,
+        include: Optional[str] = None,
+        dashboard: bool = True,
+    ) -> None:
+        super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
+        if isinstance(figures, str) or not all(isinstance(f, str) for f in figures):
+            raise ValueError(f"OutlierMonitor: figures must be a list of figure names (any of {list(FIGURE_NAMES)}), "
+                             f"got {figures!r}.")
+        unknown = [f for f in figures if f not in FIGURE_NAMES]
+        if unknown or not figures:
+            raise ValueError(f"OutlierMonitor: figures={list(figures)!r}: {unknown or 'none'} not valid; choose one or "
+                             f"more of {list(FIGURE_NAMES)}.")
+        self.figures = tuple(f for f in FIGURE_NAMES if f in figures)  # documented order, no repeats
+        self.per_layer = bool(per_layer)
+
+    @override
+    def _discover(self, pl_module: pl.LightningModule) -> list[WatchedNorm]:
+        found, unwatchable = find_norm_inputs(pl_module)
+        layers = [layer for layer in found if self._included(layer.name)]
+        skipped = [f"{name or 'root'} ({type(pl_module.get_submodule(name)).__name__}: {reason})"
+                   for name, reason in unwatchable if self._included(name)]
+        if skipped:
+            self._warn_once("skipped:" + ";".join(skipped),
+                            "OutlierMonitor: cannot watch these norm-like modules: " + "; ".join(skipped) + ".")
+        if not layers:
+            self._warn_once("nolayers", (
+                "OutlierMonitor: the model has no norm layer it can watch (a norm of the swap registry, or a module "
+                "whose class name contains 'Norm' with a 1-d weight or normalized_shape); nothing will be logged."))
+        return layers
+
+    @override
+    def _open_capture(self, layers: list[WatchedNorm], step: int, pl_module: pl.LightningModule) -> OutlierCapture:
+        return OutlierCapture(layers, step, pl_module.device, self._warn_once)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._discover(pl_module)  # warnings now, not at the first logging step
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._capture is not None:
+            self._capture.arm()  # every micro-batch of the logging step
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._capture is not None:
+            self._capture.disarm()  # the training forward is over
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._capture is not None:
+            self._capture.stepped = True
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._capture is not None:
+            self._capture.disarm()  # at the latest; the next micro-batch of a logging step re-arms it
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    # ------------------------------------------------------------------ reduce + log
+    @override
+    def _finish(self, trainer: pl.Trainer, capture: OutlierCapture) -> None:
+        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
+        metrics = step_metrics(capture.layers, sums, self.figures, self.per_layer)
+        self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])
+

@@ -1,0 +1,243 @@
+"""``OutlierMonitor``'s parts: which modules it watches, one logging step's capture, its metrics.
+
+Which modules (:func:`find_norm_inputs`), in ``model.named_modules()`` order, each instance once:
+
+1. every norm layer the swap registry knows (:func:`lightning_mrs.swap.registry.norm_spec`:
+   torch's BatchNorm/InstanceNorm/GroupNorm/LayerNorm/RMSNorm/LocalResponseNorm, timm's and
+   torchvision's norms, MRSNorm, and whatever :func:`lightning_mrs.register_norm` added), on
+   the channel dim the registry gives; a subclass with its own ``forward`` (registry kind
+   ``"custom"``) is watched with its channel dim read from the input's shape (rule 2);
+2. any other module whose class name contains ``"Norm"`` and whose channel count ``C`` is
+   given by a 1-d ``weight`` or an int / 1-tuple ``normalized_shape`` (transformers'
+   ``LlamaRMSNorm``, ``T5LayerNorm``, a model's own RMSNorm...): channels on the last dim when
+   the input's last dim has ``C`` entries, else on dim 1 when that one has;
+3. not watched, and named in a warning: a registry norm whose ``normalized_shape`` spans
+   several dims, and a childless module named like a norm without such a channel count.
+   A module named like a norm that has children (a wrapper such as timm's
+   ``NormMlpClassifierHead``) is not a norm itself: the norms inside it are found on their
+   own. Weight parametrizations (``torch.nn.utils``: weight/spectral norm) normalise weights,
+   not activations, and are not considered.
+
+:class:`OutlierCapture` holds the forward pre-hooks of one logging step (:meth:`~OutlierCapture.arm`
+registers them, :meth:`~OutlierCapture.disarm` is the one place that removes them); each
+call reduces its input to :class:`~lightning_mrs.outlier_stats.OutlierSums` at once.
+:func:`step_metrics` turns the sums into ``outlier/<layer>/<figure>`` and
+``outlier/all/<figure>`` with one device-to-host copy.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    >>> layers, unwatchable = find_norm_inputs(net)
+    >>> [(layer.name, layer.channel_dim, layer.num_channels) for layer in layers], unwatchable
+    ([('1', -1, 6)], [])
+    >>> capture = OutlierCapture(layers, step=0, device=torch.device("cpu"))
+    >>> capture.arm()
+    >>> _ = net(torch.randn(3, 4))
+    >>> capture.disarm()
+    >>> step_metrics(layers, capture.sums, ("absmax", "rms_share"))["outlier/1/rms_share"] < 1
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
+from lightning_mrs.callbacks.tb_layout import Dashboard, _multiline
+from lightning_mrs.outlier_stats import OutlierSums, aggregate_figures, defined, outlier_figures, outlier_sums
+from lightning_mrs.swap.registry import norm_spec
+
+__all__ = ["OUTLIER", "OutlierCapture", "WatchedNorm", "find_norm_inputs", "step_metrics"]
+
+Reduce = Callable[[Tensor, str], Tensor]  # (flat tensor, "sum" | "max") -> reduced over ranks
+_COUNTS = ("tokens", "mrs_tokens", "kurtosis_tokens")
+
+#: ``OutlierMonitor``'s custom-scalars category ("Activation outliers").
+OUTLIER = Dashboard(
+    category="Activation outliers",
+    prefix="outlier",
+    charts=(
+        ("share of the largest channel in the denominator, worst layer: RMSNorm's vs MRSNorm's",
+         (r"^outlier/all/rms_share$", r"^outlier/all/mrs_share$")),
+        *_multiline("outlier", (
+            ("absmax: largest |x| entering each norm (worst layer in all)", ("absmax",)),
+            ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
+            ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
+            ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
+            ("fp16_overflow_frac: share of inputs whose square overflows float16 (|x| >= 256)",
+             ("fp16_overflow_frac",)),
+            ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
+            ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
+        )),
+    ),
+)
+
+
+@dataclass
+class WatchedNorm:
+    """A norm layer whose input is watched.
+
+    Attributes:
+        name: its qualified name.
+        module: the module.
+        channel_dim: where its channels are; ``None``: read from each input's shape
+            (last dim, else dim 1, holding ``num_channels`` entries).
+        num_channels: ``C``; ``None``: whatever ``channel_dim`` holds (an uninitialised lazy norm).
+        kind: the registry's kind, or ``"by name"`` (rule 2 of the module docstring).
+    """
+
+    name: str
+    module: nn.Module
+    channel_dim: Optional[int]
+    num_channels: Optional[int]
+    kind: str
+
+
+def _channel_count(module: nn.Module) -> Optional[int]:
+    """``C`` from an int / 1-tuple ``normalized_shape`` or a 1-d ``weight``, else ``None``."""
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int):
+        return shape
+    if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1 and isinstance(shape[0], int):
+        return int(shape[0])
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, Tensor) and weight.ndim == 1:
+        return int(weight.shape[0])
+    return None
+
+
+def find_norm_inputs(model: nn.Module) -> tuple[list[WatchedNorm], list[tuple[str, str]]]:
+    """The norm layers of ``model`` whose input can be watched, and ``(name, reason)`` of the
+    norm-like modules that cannot (the rules are in the module docstring)."""
+    watched: list[WatchedNorm] = []
+    unwatchable: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        spec = norm_spec(module)
+        shape = getattr(module, "normalized_shape", None)
+        if spec is not None and isinstance(shape, (tuple, list, torch.Size)) and len(shape) != 1:
+            unwatchable.append((name, f"its normalized_shape {tuple(shape)} spans {len(shape)} dims, not one channel dim"))
+        elif spec is not None:
+            by_shape = spec.kind == "custom"  # forward overridden: the registry's layout is a guess
+            channels = None if spec.kind == "lazy" else spec.num_channels
+            watched.append(WatchedNorm(name, module, None if by_shape else spec.channel_dim, channels, spec.kind))
+        elif "Norm" in type(module).__name__ and not type(module).__module__.startswith("torch.nn.utils"):
+            channels = _channel_count(module)
+            if channels is not None:
+                watched.append(WatchedNorm(name, module, None, channels, "by name"))
+            elif next(module.children(), None) is None:  # a wrapper's norms are found on their own
+                unwatchable.append((name, "no 1-d weight or normalized_shape tells its channel count"))
+    return watched, unwatchable
+
+
+class OutlierCapture:
+    """The per-layer statistics of logging step ``step``, and the hooks that collect them.
+
+    Args:
+        layers: the layers to watch (names unique).
+        step: the logging step the figures will be logged at.
+        device: where the statistics accumulate (the module's device).
+        warn: ``warn(key, message)`` for problems met in a hook (a statistic never breaks
+            training); ``key`` lets the caller warn once per key.
+
+    Attributes:
+        sums: layer name -> the statistics so far (calls and micro-batches add up).
+        stepped: an optimizer step happened since the capture opened.
+    """
+
+    def __init__(self, layers: list[WatchedNorm], step: int, device: torch.device, warn: Warn = no_warning) -> None:
+        self.layers = layers
+        self.step = step
+        self._warn = warn
+        self.sums = {layer.name: OutlierSums.zeros(dtype=sums_dtype(device), device=device) for layer in layers}
+        self.stepped = False
+        self._handles: list[Any] = []
+
+    def arm(self) -> None:
+        """Register the hooks (for one training forward). Idempotent."""
+        if not self._handles:
+            self._handles = [layer.module.register_forward_pre_hook(partial(self._hook, layer), with_kwargs=True)
+                             for layer in self.layers]
+
+    def disarm(self) -> None:
+        """Remove every hook. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def close(self) -> None:
+        """End the capture (the logging step is over or dropped): :meth:`disarm`."""
+        self.disarm()
+
+    def _channel_dim(self, layer: WatchedNorm, x: Tensor) -> Optional[int]:
+        """Where ``x``'s channels are, or ``None`` (after a warning) when it has none of ``layer``'s."""
+        c, dim = layer.num_channels, layer.channel_dim
+        if dim is not None and -x.ndim <= dim < x.ndim and (c is None or x.shape[dim] == c):
+            return dim
+        if dim is None and x.ndim >= 1 and x.shape[-1] == c:
+            return -1
+        if dim is None and x.ndim >= 2 and x.shape[1] == c:
+            return 1
+        where = f"on dim {dim}" if dim is not None else "on the last dim or dim 1"
+        self._warn(f"shape:{layer.name}", (
+            f"OutlierMonitor: layer {layer.name or 'root'!r} ({type(layer.module).__name__}) got an input of shape "
+            f"{tuple(x.shape)} without {c} channels {where}; that input is not watched. Register its layout with "
+            "lightning_mrs.register_norm(...)."))
+        return None
+
+    def _hook(self, layer: WatchedNorm, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+        if not isinstance(x, Tensor) or not x.is_floating_point() or x.numel() == 0:
+            return
+        dim = self._channel_dim(layer, x)
+        if dim is None:
+            return
+        try:
+            total = self.sums[layer.name]
+            self.sums[layer.name] = total + outlier_sums(x, dim).to(total.entries)
+        except Exception as err:  # noqa: BLE001 - a statistic must never break training
+            self._warn(f"hook:{layer.name}", f"OutlierMonitor: layer {layer.name or 'root'!r} "
+                       f"({type(module).__name__}) is not watched on this step: {err}")
+
+    def reduced(self, reduce: Reduce) -> dict[str, OutlierSums]:
+        """The statistics over ranks: one ``reduce(flat, "sum")`` for every added field, one
+        ``reduce(flat, "max")`` for every maximum."""
+        out: dict[tuple[str, str], Tensor] = {}
+        for op, names in (("sum", OutlierSums.summed()), ("max", OutlierSums.maxed())):
+            named = {(layer, f): getattr(s, f) for layer, s in self.sums.items() for f in names}
+            out.update(apply_flat(named, lambda flat, op=op: reduce(flat, op)))
+        return {layer: OutlierSums(**{f: out[layer, f] for f in (*OutlierSums.summed(), *OutlierSums.maxed())})
+                for layer in self.sums}
+
+
+def step_metrics(layers: Sequence[WatchedNorm], sums: Mapping[str, OutlierSums], figures: Sequence[str],
+                 per_layer: bool = True) -> dict[str, float]:
+    """``outlier/<layer>/<figure>`` (when ``per_layer``) and ``outlier/all/<figure>`` of one
+    logging step, for the ``figures`` asked for.
+
+    Figures are computed on the sums' device and copied to the host once. A layer that saw
+    no token on this step is left out, and so is a figure it does not define
+    (:func:`~lightning_mrs.outlier_stats.defined`: ``mrs_share`` of an odd channel count,
+    ``kurtosis`` without a token of unequal channels).
+    """
+    on_device: dict[tuple[str, str], Tensor] = {}
+    for layer in layers:
+        s = sums[layer.name]
+        on_device.update({(layer.name, f): v for f, v in outlier_figures(s).items() if f in figures})
+        on_device.update({(layer.name, count): getattr(s, count) for count in _COUNTS})
+    if not on_device:
+        return {}
+    host = {key: v.item() for key, v in apply_flat(on_device, torch.Tensor.cpu, torch.float64).items()}  # one copy
+    rows: dict[str, dict[str, float]] = {}
+    for layer in layers:
+        counts = [host[layer.name, count] for count in _COUNTS]
+        if counts[0] > 0:
+            rows[layer.name] = {f: host[layer.name, f] for f in figures if defined(f, *counts)}
+    metrics = {OUTLIER.tag(name, f): v for name, row in rows.items() for f, v in row.items()} if per_layer else {}
+    metrics.update({OUTLIER.tag("all", f): v for f, v in aggregate_figures(list(rows.values())).items()})
+    return metrics
