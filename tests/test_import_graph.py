@@ -47,6 +47,14 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
     return {t for t in targets if t in known and t != module}
 
 
+def _roots(path: Path) -> set[str]:
+    """The top-level packages a source file imports (absolute imports, any depth in the file)."""
+    tree = ast.parse(path.read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    return roots | {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and not node.level}
+
+
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(path, name, set(modules)) for name, path in modules.items()}
@@ -98,9 +106,23 @@ def test_the_core_imports_no_lightning() -> None:
     for name, path in _modules().items():
         if name.startswith(("lightning_mrs.callbacks", "recipes")):
             continue
-        tree = ast.parse(path.read_text())
-        roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names}
-        roots |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
-                  if isinstance(node, ast.ImportFrom) and not node.level}
-        assert not roots & {"lightning", "pytorch_lightning", "torchmetrics"}, name
+        assert not _roots(path) & {"lightning", "pytorch_lightning", "torchmetrics"}, name
+
+
+def test_lightning_mrs_never_imports_transformers() -> None:
+    """Importing the core and swapping a model leave transformers unloaded (the optional ``[hf]``
+    extra: HF norm classes are recognised by name and probing); no module of the package, the
+    callbacks included, imports it. (Lightning's torchmetrics imports transformers when it is
+    installed, so importing the callbacks loads it; that is not ours.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; import lightning_mrs; from lightning_mrs import swap_norms\n"
+        "swap_norms(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)), 'mrs')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+    for name, path in _modules().items():
+        assert "transformers" not in _roots(path), name

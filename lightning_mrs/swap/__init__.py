@@ -2,11 +2,14 @@
 
 ================ =============================================================
 ``registry.py``  which modules are norm layers and their layout (``register_norm``)
+``probe.py``     any other last-dim norm (a transformers ``*RMSNorm``...), recognised by running it
+``hf.py``        the transformers norm classes whose formula is known (the probe must agree)
 ``layers.py``    layers the swap builds besides MRSNorm (LayerNorm2d, RMSNorm2d, NormAct)
 ``build.py``     one replacement from one old norm: the class and the weights
 ``options.py``   ``SwapOptions``, shared by ``swap_norms`` and the ``NormSwap`` callback
 ``report.py``    ``SwapReport``: what a swap did
 ``engine.py``    ``swap_norms``: plan every layer, then rewrite the model
+``rewire.py``    point every reference to an old layer at its replacement
 ``spec.py``      a swapped model's norms as data (checkpoints), rebuilt on a fresh model
 ================ =============================================================
 

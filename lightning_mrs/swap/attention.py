@@ -57,16 +57,17 @@ from typing import Callable, Iterator, Optional
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm
+from lightning_mrs.swap.build import DEFAULT_EPS
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
+from lightning_mrs.swap.rewire import rewire
 
 __all__ = ["AttentionInfo", "QKPlan", "expose_attention", "iter_attention_layers", "plan_attention",
-           "QK_ATTRS", "register_attention", "rewire"]
+           "QK_ATTRS", "register_attention"]
 
 #: the attributes of a covered attention layer that hold its QK-norms
 QK_ATTRS = ("q_norm", "k_norm")
-_DEFAULT_EPS = 1e-6
 _LOOKS_LIKE = re.compile(r"attn|attention|xca|msa", re.IGNORECASE)
 _HEAD_ATTRS = ("num_heads", "n_heads", "heads", "nhead")
 _QK_NORMS: dict[str, Callable[..., nn.Module]] = {
@@ -247,18 +248,6 @@ def iter_attention_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, At
             yield layer.name, layer.module, _info(layer.module, layer.entry)
 
 
-def rewire(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
-    """Point every reference to an old module (by ``id``) at its replacement (shared stays shared).
-
-    The modules are listed before any reference changes, so a replacement's own children are
-    not visited.
-    """
-    for parent in list(model.modules()):
-        for attr, child in list(parent._modules.items()):
-            if child is not None and id(child) in replacements:
-                setattr(parent, attr, replacements[id(child)])
-
-
 def expose_attention(model: nn.Module) -> list[str]:
     """Rebuild every torch/torchvision attention layer with ``q_norm = k_norm = Identity``
     (same parameters, same outputs), so that :func:`iter_attention_layers` and forward hooks
@@ -307,7 +296,7 @@ def _new_norm(kind: str, module: nn.Module, head_dim: int, eps: Optional[float])
     params = list(module.parameters())
     floating = [p for p in params if p.is_floating_point()]
     dd = {"device": floating[0].device, "dtype": floating[0].dtype} if floating else {}
-    norm = _QK_NORMS[kind](head_dim, _DEFAULT_EPS if eps is None else eps, dd)
+    norm = _QK_NORMS[kind](head_dim, DEFAULT_EPS if eps is None else eps, dd)
     # a frozen attention layer gets a frozen QK-norm (the swap's rule for frozen sources)
     norm.requires_grad_(not params or any(p.requires_grad for p in params))
     return norm.train(module.training)

@@ -15,10 +15,11 @@ from lightning_mrs.modules import MRSNorm, MRSNorm2d
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
 
-__all__ = ["Plan", "plan_replacement", "build_replacement"]
+__all__ = ["DEFAULT_EPS", "Plan", "plan_replacement", "build_replacement"]
 
 _PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one statistic per sample
-_DEFAULT_EPS = 1e-6
+#: the eps of a new norm whose source has none (an added QK-norm, a norm without ``eps``)
+DEFAULT_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,15 @@ def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
 @torch.no_grad()
 def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, eps: Optional[float]) -> nn.Module:
     """Create the new norm on the old one's device/dtype, with its ``requires_grad`` and
-    ``training`` flags, and (``init="inherit"``) its weights; fused ``drop``/``act`` kept."""
+    ``training`` flags, and (``init="inherit"``) its weights; fused ``drop``/``act`` kept.
+
+    A probed layer (``spec.formula``, :mod:`lightning_mrs.swap.probe`) gives its probed eps and
+    its effective per-channel scale: ``1 + w`` for an offset layer (Gemma), none without weight.
+    """
     weight, bias = _tensor(module, "weight"), _tensor(module, "bias")
-    old_eps = getattr(module, "eps", None)
+    old_eps = spec.formula.eps if spec.formula is not None else getattr(module, "eps", None)
     if eps is None:
-        eps = float(old_eps) if isinstance(old_eps, (int, float)) and old_eps > 0 else _DEFAULT_EPS
+        eps = float(old_eps) if isinstance(old_eps, (int, float)) and old_eps > 0 else DEFAULT_EPS
     new = plan.make(spec.num_channels, eps, weight is not None, _device_dtype(module))
     # A frozen source (requires_grad=False, or a buffer as in FrozenBatchNorm2d) stays frozen.
     trainable = weight.requires_grad if isinstance(weight, nn.Parameter) else weight is None
@@ -100,6 +105,8 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
         p.requires_grad_(trainable)
     if init == "inherit" and weight is not None and getattr(new, "weight", None) is not None:
         w = _per_channel(weight.detach(), spec.kind)  # (C,)
+        if spec.formula is not None:  # a probed layer: its effective scale (Gemma's 1 + w)
+            w = spec.formula.scale(w)
         if isinstance(new, (MRSNorm, MRSNorm2d)):
             # one weight per phasor from its two channels: the mean keeps zero-init zeros zero
             w = w.reshape(-1, 2).mean(dim=1)  # (C/2,)
@@ -108,6 +115,8 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
         if isinstance(new_bias, Tensor):
             new_bias.copy_(bias.detach() if bias is not None and bias.shape == new_bias.shape else torch.zeros_like(new_bias))
     new.train(module.training)
+    if spec.formula is not None:  # what the old layer computed, for the checkpoint record (spec.py)
+        new.swapped_from = f"{type(module).__qualname__}: {spec.formula}"
     if spec.fused_act:
         drop, act = getattr(module, "drop", None), getattr(module, "act", None)
         holder = NormAct(new, drop if isinstance(drop, nn.Module) else None, act if isinstance(act, nn.Module) else None)

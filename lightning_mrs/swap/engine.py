@@ -8,16 +8,18 @@ layers (``qk_norm``) are planned by :mod:`lightning_mrs.swap.attention`.
 
 from __future__ import annotations
 
+import warnings
 from fnmatch import fnmatchcase
 from typing import Any, Optional, Union
 
 from torch import nn
 
-from lightning_mrs.swap.attention import plan_attention, rewire
+from lightning_mrs.swap.attention import plan_attention
 from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport
+from lightning_mrs.swap.rewire import rewire
 
 __all__ = ["swap_norms"]
 
@@ -89,8 +91,10 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     # 2. plan: what each distinct norm becomes, or why it stays
     plans: dict[int, tuple[str, nn.Module, NormSpec, Plan]] = {}  # id(old norm) -> (first name, old, spec, plan)
     problems: list[str] = []
+    found = 0  # norm layers of any kind, swappable or not
     for name, module in model.named_modules():
-        spec = norm_spec(module)
+        spec = norm_spec(module)  # known classes, and any leaf that looks like a norm (probed)
+        found += spec is not None
         kind = qk.target_of(module, target)  # a QK-norm follows qk_norm, the other norms target
         if spec is None or kind is None:
             continue
@@ -145,4 +149,35 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     qk.apply()
     for name, old, spec, plan in plans.values():
         report.changes[name] = (type(old).__qualname__, plan.label + ("+act" if spec.fused_act else ""))
+        if spec.formula is not None:
+            report.probed[name] = str(spec.formula)
+    _say_if_nothing(model, report, found)
     return report
+
+
+def _say_if_nothing(model: nn.Module, report: SwapReport, found: int) -> None:
+    """Never silent: a model without norms says so; a swap that converted none of them warns."""
+    if report.target is None:
+        return
+    if not found:
+        report.notes.append(
+            f"{type(model).__qualname__} has no norm layer (no known norm class, no leaf module named *Norm*, "
+            "nothing the probe recognises as RMS or LayerNorm): nothing to swap"
+        )
+    elif not (report.converted or report.unchanged or report.qk_added) and report.skipped:
+        reasons = _by_reason_short(report.skipped)
+        warnings.warn(
+            f"swap_norms(target={report.target!r}) converted none of the {len(report.skipped)} norm layers of "
+            f"{type(model).__qualname__}: {reasons}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _by_reason_short(skipped: dict[str, str], limit: int = 3) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped.items():
+        by_reason.setdefault(reason, []).append(name or "<root>")
+    parts = [f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {reason}"
+             for reason, names in list(by_reason.items())[:limit]]
+    return "; ".join(parts) + ("; ..." if len(by_reason) > limit else "")

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Union
 
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.swap.hf import known_norm
 from lightning_mrs.swap.layers import LayerNorm2d, RMSNorm2d
+from lightning_mrs.swap.probe import Formula, recognise
 
 __all__ = ["NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "NORM_KINDS"]
 
@@ -52,6 +54,8 @@ NORM_KINDS: dict[str, str] = {
     "inplace_abn": "InPlaceABN (fused BN+act from the inplace_abn package)",
     "lazy": "uninitialised lazy BatchNorm/InstanceNorm",
     "custom": "a subclass of a known norm with its own forward",
+    "probed": "a class the table does not know (a transformers *RMSNorm...), recognised by running it: RMS or "
+              "LayerNorm over the last dim (NormSpec.formula; lightning_mrs.swap.probe)",
 }
 
 
@@ -71,6 +75,8 @@ class NormSpec:
             (timm ``BatchNormAct2d`` & co); a swap must keep them.
         unsupported: why no faithful per-channel replacement exists (EvoNorm, multi-dim
             ``normalized_shape``, a custom ``forward``...), or ``None``.
+        formula: ``kind="probed"`` only: what the probe found the layer computes (RMS or
+            LayerNorm, the weight as ``w`` or ``1 + w``, the bias, eps).
     """
 
     kind: str
@@ -79,6 +85,7 @@ class NormSpec:
     spatial: Optional[bool] = None
     fused_act: bool = False
     unsupported: Optional[str] = None
+    formula: Optional[Formula] = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -242,7 +249,7 @@ def norm_spec(module: nn.Module) -> Optional[NormSpec]:
     cls = type(module)
     base, entry = _lookup(cls)
     if entry is None:
-        return None
+        return _probed(module)
     channel_dim = entry.channel_dim(module) if callable(entry.channel_dim) else entry.channel_dim
     spatial = entry.spatial(module) if callable(entry.spatial) else entry.spatial
     channels, reason = _num_channels(module)
@@ -252,12 +259,26 @@ def norm_spec(module: nn.Module) -> Optional[NormSpec]:
         # normalise differently: refuse to guess.
         for klass in cls.__mro__[: cls.__mro__.index(base)]:
             if "forward" in vars(klass):
+                probed = _probed(module) if channel_dim == -1 and not entry.fused_act else None
+                if probed is not None and probed.formula is not None:
+                    return probed  # e.g. transformers' NemotronLayerNorm1P: layer(x) * (1 + w) + b
                 reason = (
                     f"{cls.__qualname__} subclasses {base.__qualname__} but overrides forward, so its "
                     "layout is unknown; describe it with lightning_mrs.register_norm(...)"
                 )
                 return NormSpec("custom", channels, channel_dim, spatial, entry.fused_act, reason)
     return NormSpec(entry.kind, channels, channel_dim, spatial, entry.fused_act, reason)
+
+
+def _probed(module: nn.Module) -> Optional[NormSpec]:
+    """The spec of a module the table does not know but that looks like a last-dim norm
+    (:func:`lightning_mrs.swap.probe.recognise`), ``None`` when it does not."""
+    expected, eps = known_norm(module) or (None, None)
+    found = recognise(module, eps=eps, expected=expected)
+    if found is None:
+        return None
+    channels, formula, reason = found
+    return NormSpec("probed", channels, -1, None, False, reason, formula)
 
 
 def iter_norm_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module, NormSpec]]:

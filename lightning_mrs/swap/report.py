@@ -31,6 +31,8 @@ class SwapReport:
         attention_replaced: torch/torchvision attention layers rebuilt to take a QK-norm:
             name -> ``(old class name, new class name)``.
         attention_skipped: attention layers that got no QK-norm -> the reason.
+        probed: converted layers recognised by running them (a transformers ``*RMSNorm``...;
+            :mod:`lightning_mrs.swap.probe`) -> the formula found (``"rms(x) * (1 + w), eps=1e-06"``).
     """
 
     target: Optional[str]
@@ -44,6 +46,7 @@ class SwapReport:
     qk_added: dict[str, str] = field(default_factory=dict)
     attention_replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     attention_skipped: dict[str, str] = field(default_factory=dict)
+    probed: dict[str, str] = field(default_factory=dict)
 
     def counts(self) -> Counter:
         """``(old class, new label) -> count`` over the converted layers."""
@@ -53,6 +56,7 @@ class SwapReport:
         """Fold a later swap of the same model into this report (used by the callback)."""
         self.converted += [n for n in other.converted if n not in self.changes]
         self.changes.update(other.changes)
+        self.probed.update(other.probed)
         self.skipped.update(other.skipped)
         self.unchanged = [n for n in dict.fromkeys(self.unchanged + other.unchanged) if n not in self.changes]
         self.aliases.update(other.aliases)
@@ -76,6 +80,9 @@ class SwapReport:
         width = max((len(f"{o} -> {n}") for o, n in self.counts()), default=0)
         for (old, new), count in sorted(self.counts().items()):
             lines.append(f"  {f'{old} -> {new}':<{width}}  x{count}")
+        found = Counter((self.changes[n][0], formula) for n, formula in self.probed.items() if n in self.changes)
+        for (old, formula), count in sorted(found.items()):
+            lines.append(f"  (probed: {old} computes {formula})  x{count}")
         qk = [n for n in self.converted if n.rsplit(".", 1)[-1] in ("q_norm", "k_norm")]
         if qk:
             lines.append(f"  ({len(qk)} of them attention QK-norms: phasor attention)")

@@ -6,7 +6,9 @@ training (a second ``fit``) has nothing left to convert but is every bit as swap
 :func:`describe_layers` lists every norm layer of the target's kind (``mrs``; ``rms``;
 ``layer``) with what decides its computation: kind, layout, per-sample or per-position,
 eps; and every attention QK-norm (``<attention>.q_norm``/``.k_norm``), whatever its kind,
-marked ``"qk": True`` (a QK-norm may have been *added*: a fresh model has none there). :func:`rebuild` applies such a list to a freshly built model of the same class, and
+marked ``"qk": True`` (a QK-norm may have been *added*: a fresh model has none there); a layer
+that replaced a probed norm (a transformers ``*RMSNorm``, :mod:`lightning_mrs.swap.probe`) has
+``"from"``: the old class and the formula the probe found. :func:`rebuild` applies such a list to a freshly built model of the same class, and
 :func:`differences` says, layer by layer, how two lists differ.
 
 Example:
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Optional
 
 from torch import nn
@@ -32,7 +35,7 @@ from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
-LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"[, "qk"]}: JSON-friendly
+LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"[, "qk"][, "from"]}: JSON-friendly
 _QK_SUFFIXES = tuple(f".{attr}" for attr in QK_ATTRS)  # where the swap puts (or finds) a QK-norm
 
 
@@ -94,6 +97,9 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
             }
             if qk:
                 records[name]["qk"] = True
+            source = getattr(module, "swapped_from", None)
+            if isinstance(source, str):  # a probed layer: what it computed ("GemmaRMSNorm: rms(x) * (1 + w), ...")
+                records[name]["from"] = source
     return records
 
 
@@ -186,10 +192,12 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
         groups.setdefault((spatial, record["eps"]), []).append(_literal(name))
     if groups and target is None:
         raise ValueError("records of body norm layers need the target they were swapped to, got target=None")
-    for (spatial, eps), names in groups.items():
-        swap_norms(model, target, spatial=spatial, eps=eps, include=names, init="ones")
-    for (kind, eps), names in qk_groups.items():
-        swap_norms(model, None, qk_norm=kind, eps=eps, include=names, init="ones")
+    with warnings.catch_warnings():  # a model that cannot match gets the error below, not a warning too
+        warnings.simplefilter("ignore", UserWarning)
+        for (spatial, eps), names in groups.items():
+            swap_norms(model, target, spatial=spatial, eps=eps, include=names, init="ones")
+        for (kind, eps), names in qk_groups.items():
+            swap_norms(model, None, qk_norm=kind, eps=eps, include=names, init="ones")
     got = describe_layers(model, target)
     if got != records:
         raise ValueError(

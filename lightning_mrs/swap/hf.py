@@ -1,0 +1,52 @@
+"""The norm classes of Hugging Face transformers whose code was read, checked by the probe.
+
+Any model's norms are recognised by behaviour (:mod:`lightning_mrs.swap.probe`); for the classes
+listed here the formula is also known from their source (transformers 4.45 - 5.24), and the
+probe must agree with it: a disagreement (a future transformers changing a class) skips the
+layer with both formulas in the reason instead of guessing. Nothing here imports transformers:
+a class is recognised by its name and ``type(module).__module__`` (``transformers.*``).
+
+========================================= =============================================
+``LlamaRMSNorm``, ``MistralRMSNorm``,     ``rms(x) * w`` (``variance_epsilon``)
+``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ...
+``GemmaRMSNorm``, ``Gemma2RMSNorm``,      ``rms(x) * (1 + w)``: the weight is an offset from 1
+``Gemma3RMSNorm``
+``OlmoLayerNorm``                         ``layer(x)``, no weight, eps 1e-5 (hard-coded)
+``CohereLayerNorm``                       ``layer(x) * w`` (no bias)
+``NemotronLayerNorm1P``                   ``layer(x) * (1 + w) + b``
+========================================= =============================================
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+__all__ = ["KNOWN_NORMS", "is_transformers", "known_norm"]
+
+_RMS = ("rms", "w")
+_RMS_OFFSET = ("rms", "1+w")
+#: class name -> ((kind, weight), eps when the class has no eps attribute)
+KNOWN_NORMS: dict[str, tuple[tuple[str, str], Optional[float]]] = {
+    **{f"{family}RMSNorm": (_RMS, None) for family in (
+        "Llama", "Mistral", "Mixtral", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "Olmo2", "Olmo3", "Olmoe",
+        "Phi3", "PhiMoe", "Granite", "GraniteMoe", "Cohere2", "Starcoder2", "DeepseekV3", "Glm", "Glm4",
+        "SmolLM3", "Ernie4_5", "HunYuanDenseV1", "Exaone4", "Arcee", "Dots1", "Ministral",
+    )},
+    "T5LayerNorm": (_RMS, None),
+    **{f"{family}RMSNorm": (_RMS_OFFSET, None) for family in ("Gemma", "Gemma2", "Gemma3")},
+    "OlmoLayerNorm": (("layer", "none"), 1e-5),
+    "CohereLayerNorm": (("layer", "w"), None),
+    "NemotronLayerNorm1P": (("layer", "1+w"), None),
+}
+
+
+def is_transformers(module: nn.Module) -> bool:
+    """``module``'s class comes from the transformers package (without importing it)."""
+    return type(module).__module__.startswith("transformers.")
+
+
+def known_norm(module: nn.Module) -> Optional[tuple[tuple[str, str], Optional[float]]]:
+    """``((kind, weight), eps)`` of a transformers norm class listed in :data:`KNOWN_NORMS`."""
+    return KNOWN_NORMS.get(type(module).__name__) if is_transformers(module) else None
