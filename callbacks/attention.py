@@ -63,8 +63,10 @@ def _skip_reason(info: AttentionInfo) -> Optional[str]:
     return None
 
 
-def _unseen_terms(module: nn.Module) -> Optional[str]:
+def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
     """What the layer adds to ``scale * q . k`` that the monitor does not recompute."""
+    if info.unseen is not None:
+        return info.unseen
     terms = []
     if (getattr(module, "relative_position_bias_table", None) is not None
             or getattr(module, "rel_pos", None) is not None or getattr(module, "use_rel_pos", False)):
@@ -155,7 +157,7 @@ class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
                 skipped.append(f"{name or 'root'} ({type(module).__name__}: {reason})")
                 continue
             layers.append(WatchedLayer(name, module, info))
-            terms = _unseen_terms(module)
+            terms = _unseen_terms(module, info)
             if terms is not None:
                 unseen.append(f"{name or 'root'} ({terms})")
         if skipped:

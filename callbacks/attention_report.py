@@ -122,7 +122,7 @@ class AttentionCapture:
         q, k = pending.pop("q"), pending.pop("k")
         info = layer.info
         try:
-            new = attention_sums(q, k, info.scale, layout=info.layout, num_heads=info.num_heads,
+            new = attention_sums(q, k, info.scale, layout=info.layout, num_heads=info.num_heads, head_dim=info.head_dim,
                                  max_queries=self.max_queries, collapse_threshold=self.collapse_threshold)
             total = self.sums[layer.name]
             self.sums[layer.name] = total + new.to(total.entropy)

@@ -70,17 +70,25 @@ FIGURE_NAMES: tuple[str, ...] = (
 ALL_FIGURE_NAMES = FIGURE_NAMES
 _WORST = ("logit_max", "collapsed_frac")
 #: The q/k layouts :func:`per_head` understands (:attr:`lightning_mrs.swap.AttentionInfo.layout`).
-LAYOUTS: tuple[str, ...] = ("BHND", "BNHD", "(BH)ND")
+LAYOUTS: tuple[str, ...] = ("BHND", "BNHD", "(BH)ND", "BN(HD)")
 
 
-def per_head(t: Tensor, layout: str = "BHND", num_heads: Optional[int] = None) -> Tensor:
+def per_head(t: Tensor, layout: str = "BHND", num_heads: Optional[int] = None, head_dim: Optional[int] = None,
+             ) -> Tensor:
     """A ``(B, heads, N, head_dim)`` view of a query or key tensor in ``layout``.
 
     Args:
         t: the tensor ``q_norm``/``k_norm`` returned.
         layout: one of :data:`LAYOUTS`.
         num_heads: the heads folded into the first dim (``"(BH)ND"`` only).
+        head_dim: the width of a head folded into the last dim (``"BN(HD)"`` only: OLMo 2's
+            QK-norms see the whole projection).
     """
+    if layout == "BN(HD)":
+        if t.ndim != 3 or head_dim is None or t.shape[-1] % head_dim:
+            raise ValueError(f"per_head: a (B, N, heads*D) tensor with head_dim={head_dim} cannot have shape "
+                             f"{tuple(t.shape)}.")
+        return t.unflatten(-1, (-1, head_dim)).transpose(1, 2)  # (B, H, N, D)
     if layout == "(BH)ND":
         if t.ndim != 3 or num_heads is None or t.shape[0] % num_heads:
             raise ValueError(f"per_head: a (B*heads, N, D) tensor with heads={num_heads} cannot have shape "
@@ -172,6 +180,7 @@ def attention_sums(
     *,
     layout: str = "BHND",
     num_heads: Optional[int] = None,
+    head_dim: Optional[int] = None,
     max_queries: Optional[int] = None,
     collapse_threshold: float = 0.99,
 ) -> AttentionSums:
@@ -184,11 +193,12 @@ def attention_sums(
         scale: the logits' factor of ``q . k``.
         layout: one of :data:`LAYOUTS`.
         num_heads: the query heads (needed for ``"(BH)ND"``, which folds them into dim 0).
+        head_dim: the width of a head (needed for ``"BN(HD)"``, which folds the heads into the last dim).
         max_queries: at most this many queries (:func:`query_sample`); ``None`` takes all.
         collapse_threshold: a row is collapsed when its largest weight exceeds this.
     """
-    qh = per_head(q.detach(), layout, num_heads)  # (B, H, Nq, D)
-    kh = per_head(k.detach(), layout, num_heads)  # (B, Hk, Nk, D)
+    qh = per_head(q.detach(), layout, num_heads, head_dim)  # (B, H, Nq, D)
+    kh = per_head(k.detach(), layout, num_heads, head_dim)  # (B, Hk, Nk, D)
     (b, h, n, d), hk = qh.shape, kh.shape[1]
     if kh.shape[0] != b or kh.shape[-1] != d or h % hk:
         raise ValueError(f"attention_sums: keys of shape {tuple(kh.shape)} do not fit queries of shape "

@@ -80,13 +80,18 @@ def test_autocast_does_not_lower_the_precision() -> None:
     assert cast == plain
 
 
-@pytest.mark.parametrize("layout", ["BNHD", "(BH)ND"])
+@pytest.mark.parametrize("layout", ["BNHD", "(BH)ND", "BN(HD)"])
 def test_layouts_give_the_figures_of_the_per_head_tensors(layout: str) -> None:
-    q, k = peaky((3, 4, 5, 6)), peaky((3, 4, 5, 6))  # (B, H, N, D)
+    q, k = peaky((3, 4, 5, 6)), peaky((3, 2, 5, 6))  # (B, H, N, D); 2 key heads (GQA)
     expected = figures(attention_sums(q, k, 0.4))
     if layout == "BNHD":
         got = attention_sums(q.transpose(1, 2), k.transpose(1, 2), 0.4, layout=layout)
+    elif layout == "BN(HD)":  # OLMo 2: the whole projection, (B, N, H*D)
+        got = attention_sums(q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2), 0.4, layout=layout,
+                             head_dim=6)
     else:
+        k = k.repeat_interleave(2, dim=1)  # "(BH)ND" folds one head count into B
+        expected = figures(attention_sums(q, k, 0.4))
         got = attention_sums(q.reshape(12, 5, 6), k.reshape(12, 5, 6), 0.4, layout=layout, num_heads=4)
     assert figures(got) == pytest.approx(expected, rel=1e-6)
 
@@ -134,8 +139,9 @@ def test_aggregate_takes_the_worst_layer_and_the_mean() -> None:
 
 @pytest.mark.parametrize("call,match", [
     (lambda: per_head(torch.zeros(2, 3, 4), "BHND"), "must be 4-d"),
-    (lambda: per_head(torch.zeros(2, 3, 4, 5), "HNBD"), r"not one of \['BHND', 'BNHD', '\(BH\)ND'\]"),
+    (lambda: per_head(torch.zeros(2, 3, 4, 5), "HNBD"), r"not one of \['BHND', 'BNHD', '\(BH\)ND', 'BN\(HD\)'\]"),
     (lambda: per_head(torch.zeros(5, 3, 4), "(BH)ND", 2), "heads=2"),
+    (lambda: per_head(torch.zeros(2, 3, 20), "BN(HD)", head_dim=8), "head_dim=8"),
     (lambda: attention_sums(torch.zeros(2, 4, 3, 8), torch.zeros(2, 3, 3, 8), 1.0), "key heads must divide"),
     (lambda: attention_sums(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 6), 1.0), "do not fit"),
 ])

@@ -15,7 +15,9 @@
 
 Attention layers (QK-norms, ``qk_norm``): ``attention.py`` finds them and plans the QK-norms
 (``iter_attention_layers``); ``attention_torchvision.py`` rebuilds torch/torchvision attention
-with ``q_norm``/``k_norm`` (it imports torchvision's models, so it is loaded on first use).
+with ``q_norm``/``k_norm`` (it imports torchvision's models, so it is loaded on first use);
+``attention_hf.py`` wraps the q/k projections of transformers attention (loaded only for a
+transformers model); ``attention_info.py`` holds ``AttentionInfo``.
 """
 
 from lightning_mrs.swap.attention import AttentionInfo, expose_attention, iter_attention_layers, register_attention

@@ -32,6 +32,11 @@ Covered (read off each class's forward, timm 1.0.31 / torchvision 0.29):
   parameters: ``nn.MultiheadAttention`` (torchvision ViT, ``nn.TransformerEncoderLayer``...),
   Swin's ``ShiftedWindowAttention``/``ShiftedWindowAttentionV2``, MaxViT's
   ``RelativePositionalMultiHeadAttention`` (:func:`expose_attention` does only this).
+* Hugging Face transformers, by :mod:`lightning_mrs.swap.attention_hf` (loaded only for a model
+  holding a module whose class comes from transformers): the q/k projections are wrapped so
+  that ``q_norm``/``k_norm`` apply per head before the rotary embedding (Llama, Mistral, Qwen2,
+  Gemma 1/2, Phi-3, GPT-2, GPT-NeoX, and any layer with ``q_proj``/``k_proj`` and ``head_dim``);
+  the QK-norms of Qwen3, Gemma 3 and OLMo 2 (full-width, ``"BN(HD)"``) are covered as they are.
 
 Other modules that look like attention (a class name with Attention/Attn/XCA/MSA and a
 ``num_heads``-like int: BEiT, CaiT, XCiT, MViTv2, timm's Swin...) compute q and k where no
@@ -57,6 +62,7 @@ from typing import Callable, Iterator, Optional
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm
+from lightning_mrs.swap.attention_info import QK_ATTRS, AttentionInfo
 from lightning_mrs.swap.build import DEFAULT_EPS
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import norm_spec
@@ -66,8 +72,6 @@ from lightning_mrs.swap.rewire import rewire
 __all__ = ["AttentionInfo", "QKPlan", "expose_attention", "iter_attention_layers", "plan_attention",
            "QK_ATTRS", "register_attention"]
 
-#: the attributes of a covered attention layer that hold its QK-norms
-QK_ATTRS = ("q_norm", "k_norm")
 _LOOKS_LIKE = re.compile(r"attn|attention|xca|msa", re.IGNORECASE)
 _HEAD_ATTRS = ("num_heads", "n_heads", "heads", "nhead")
 _QK_NORMS: dict[str, Callable[..., nn.Module]] = {
@@ -78,35 +82,12 @@ _QK_NORMS: dict[str, Callable[..., nn.Module]] = {
 
 
 @dataclass(frozen=True)
-class AttentionInfo:
-    """One covered attention layer.
-
-    Attributes:
-        num_heads: heads of the queries that ``q_norm`` sees (timm's differential attention:
-            twice the module's ``num_heads``; keys may have fewer heads under GQA).
-        head_dim: the last dim of q and k (the QK-norm's width).
-        scale: the factor of ``q . k`` in the logits; ``None`` when it is learned (Swin V2's
-            cosine attention: ``exp(clamp(logit_scale))`` per head).
-        qk_norm: the kind of ``q_norm`` (``"mrs"``, ``"rms"``, ``"layer"``... as
-            :func:`~lightning_mrs.swap.norm_spec` names it), ``None`` for ``nn.Identity``.
-        layout: the dims of the q/k tensors ``q_norm``/``k_norm`` see (``"BHND"``...).
-        cosine: q and k are L2-normalised after ``q_norm``/``k_norm`` (Swin V2).
-    """
-
-    num_heads: int
-    head_dim: int
-    scale: Optional[float]
-    qk_norm: Optional[str]
-    layout: str = "BHND"
-    cosine: bool = False
-
-
-@dataclass(frozen=True)
 class _Entry:
     layout: str = "BHND"
     head_factor: int = 1  # q heads per module.num_heads (differential attention: 2)
     cosine: bool = False
     scale: Optional[float] = None  # a fixed logit scale where the module has no ``scale``
+    info: Optional[Callable[[nn.Module], AttentionInfo]] = None  # the layer's info, where it is read differently
 
 
 _ATTENTION_CLASSES: dict[type, _Entry] = {}
@@ -185,8 +166,9 @@ class _Layer:
     name: str
     module: nn.Module
     entry: Optional[_Entry] = None  # covered as it is
-    replacement: Optional[type] = None  # rebuilt by attention_torchvision
+    replacement: Optional[type] = None  # rebuilt by attention_torchvision or attention_hf
     reason: Optional[str] = None  # opaque: why no QK-norm can be added
+    note: Optional[str] = None  # for the report when a QK-norm is asked for
 
 
 def _find(model: nn.Module) -> list[_Layer]:
@@ -194,6 +176,14 @@ def _find(model: nn.Module) -> list[_Layer]:
     _load_builtins()
     found: list[_Layer] = []
     for name, module in model.named_modules():
+        if type(module).__module__.startswith("transformers."):  # never imports transformers otherwise
+            from lightning_mrs.swap import attention_hf
+
+            hf = attention_hf.classify(module, bool(_LOOKS_LIKE.search(type(module).__name__)))
+            if hf is not None:
+                entry = _Entry(info=hf.info) if hf.info is not None else None
+                found.append(_Layer(name, module, entry, hf.replacement, hf.reason, hf.note))
+                continue
         entry, reason = _entry(module)
         if entry is not None:
             found.append(_Layer(name, module, entry=entry))
@@ -219,6 +209,8 @@ def _inside(name: str, parent: str) -> bool:
 
 
 def _info(module: nn.Module, entry: _Entry) -> AttentionInfo:
+    if entry.info is not None:
+        return entry.info(module)
     spec = norm_spec(module.q_norm)
     scale = getattr(module, "scale", None)
     return AttentionInfo(
@@ -324,6 +316,8 @@ def plan_attention(
         report.notes.append(f"qk_norm={opts.qk_norm!r}: the model has no attention layers; no QK-norm added")
     for layer in layers:
         module, name = layer.module, layer.name
+        if kind is not None and layer.note is not None and layer.note not in report.notes:
+            report.notes.append(layer.note)
         if layer.reason is not None:
             if kind is not None:
                 report.attention_skipped[name] = layer.reason
@@ -357,7 +351,8 @@ def plan_attention(
             continue
         if layer.replacement is not None:
             plan.replacements[id(module)] = rebuilt
-            report.attention_replaced[name] = (type(module).__qualname__, layer.replacement.__qualname__)
+            report.attention_replaced[name] = (type(module).__qualname__,
+                                                getattr(layer.replacement, "label", layer.replacement.__qualname__))
         for attr in missing:
             old = getattr(module, attr, None)
             if old is not None and (old._forward_hooks or old._forward_pre_hooks):

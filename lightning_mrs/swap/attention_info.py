@@ -1,0 +1,43 @@
+"""``AttentionInfo``: what the swap and the attention monitor know of one covered attention layer.
+
+Its own module so that the family adapters (:mod:`lightning_mrs.swap.attention_hf`) describe
+layers without importing :mod:`lightning_mrs.swap.attention`, which loads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["AttentionInfo", "QK_ATTRS"]
+
+#: the attributes of a covered attention layer that hold its QK-norms
+QK_ATTRS = ("q_norm", "k_norm")
+
+
+@dataclass(frozen=True)
+class AttentionInfo:
+    """One covered attention layer.
+
+    Attributes:
+        num_heads: heads of the queries that ``q_norm`` sees (timm's differential attention:
+            twice the module's ``num_heads``; keys may have fewer heads under GQA).
+        head_dim: the last dim of q and k (the QK-norm's width).
+        scale: the factor of ``q . k`` in the logits; ``None`` when it is learned (Swin V2's
+            cosine attention: ``exp(clamp(logit_scale))`` per head).
+        qk_norm: the kind of ``q_norm`` (``"mrs"``, ``"rms"``, ``"layer"``... as
+            :func:`~lightning_mrs.swap.norm_spec` names it), ``None`` for ``nn.Identity``.
+        layout: the dims of the q/k tensors ``q_norm``/``k_norm`` see (``"BHND"``...;
+            ``"BN(HD)"``: all heads in the last dim, OLMo 2's full-width QK-norms).
+        cosine: q and k are L2-normalised after ``q_norm``/``k_norm`` (Swin V2).
+        unseen: what the layer adds to ``scale * q . k`` after ``k_norm`` that hooks on the
+            norms do not see (transformers layers: ``"rotary embeddings and the causal mask"``...).
+    """
+
+    num_heads: int
+    head_dim: int
+    scale: Optional[float]
+    qk_norm: Optional[str]
+    layout: str = "BHND"
+    cosine: bool = False
+    unseen: Optional[str] = None
