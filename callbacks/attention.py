@@ -1,9 +1,9 @@
 """``AttentionMonitor``: logit size, softmax entropy and collapse of every attention layer, live.
 
-PAPER.md's claim for phasor attention is that a QK-norm keeps large-magnitude outliers from
-saturating the softmax ("softmax collapse"). This monitor shows it during training: on
-logging steps only, it captures the per-head queries and keys that enter each attention
-layer's logits (hooks on the layer's ``q_norm``/``k_norm``, see
+The paper's claim for phasor attention (``docs/method.md#phasor-attention-qk-norm``) is that a
+QK-norm keeps large-magnitude outliers from saturating the softmax ("softmax collapse"). This
+monitor shows it during training: on logging steps only, it captures the per-head queries and
+keys that enter each attention layer's logits (hooks on the layer's ``q_norm``/``k_norm``, see
 :mod:`lightning_mrs.swap.attention`), recomputes the logits of a bounded sample of queries
 (fused attention never materialises them) and logs their size, the softmax entropy and the
 share of collapsed attention rows (:mod:`lightning_mrs.attention_stats` defines every figure).

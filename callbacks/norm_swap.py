@@ -38,6 +38,7 @@ from typing_extensions import override
 
 import lightning_mrs
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
+from lightning_mrs.swap.options import check_bool, check_model
 from lightning_mrs.swap.spec import (
     LayerRecord, describe_layers, differences, format_record, is_qk_name, rebuild, rebuild_v1,
 )
@@ -66,7 +67,8 @@ class NormSwap(Callback):
 
     Raises:
         ValueError: an option with a bad value (the message lists the valid ones).
-        TypeError: an unknown option (the message lists the valid ones).
+        TypeError: an unknown option (the message lists the valid ones and suggests the
+            closest), or an option of the wrong type (``verbose``, ``strict``, ``include``/``exclude``).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -77,6 +79,7 @@ class NormSwap(Callback):
     """
 
     def __init__(self, target: Union[str, SwapOptions] = "mrs", *, verbose: bool = True, **options: Any) -> None:
+        check_bool("NormSwap", "verbose", verbose)
         self.options = SwapOptions.of(target, "NormSwap", **options)
         self.verbose = verbose
         self.report: Optional[SwapReport] = None
@@ -271,13 +274,18 @@ class NormSwap(Callback):
             ``model``, swapped exactly like the trained one and holding its weights.
 
         Raises:
-            ValueError: the checkpoint has no NormSwap record, or ``model`` cannot be made to
-                match it (another architecture), listing the layers concerned.
+            FileNotFoundError: no file at ``checkpoint_path``.
+            ValueError: the file is not a readable checkpoint (truncated, another kind of
+                file), it has no NormSwap record, or ``model`` cannot be made to match it
+                (another architecture), listing the layers concerned.
+            TypeError: ``model`` is not an ``nn.Module``, or ``strict`` is not a bool.
 
         Example:
             >>> model = NormSwap.restore(LitResNet(), "epoch=9.ckpt").eval()  # doctest: +SKIP
         """
-        checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
+        check_model("NormSwap.restore", model)
+        check_bool("NormSwap.restore", "strict", strict)
+        checkpoint = _load_checkpoint(checkpoint_path, map_location)
         spec = _find_spec(checkpoint)
         if spec is None:
             raise ValueError(
@@ -341,6 +349,29 @@ def _options_of(spec: dict[str, Any]) -> str:
     if "layers" in spec:
         return f"target={spec.get('target')!r}, ..."
     return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
+
+
+def _load_checkpoint(path: Union[str, os.PathLike], map_location: Any) -> dict[str, Any]:
+    """``torch.load`` of a Lightning checkpoint, with one error naming the file and what is wrong."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"NormSwap.restore: no checkpoint at {os.fspath(path)} (no such file).")
+    if os.path.isdir(path):
+        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is a directory; pass the .ckpt file.")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is empty (0 bytes); save or copy it again.")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds (RuntimeError, UnpicklingError, EOFError, ...)
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
+        reason = f"{type(err).__name__}: {str(err).split('. ')[0].strip()}"  # torch's first sentence
+        what = ("is truncated or corrupted ({}); save or copy it again." if zipped else
+                "is not a torch checkpoint file ({}); pass the .ckpt file that Lightning wrote.")
+        raise ValueError(f"NormSwap.restore: {os.fspath(path)} " + what.format(reason)) from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"NormSwap.restore: {os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning "
+                         "checkpoint (a dict with 'state_dict' and 'callbacks'): save it with trainer.save_checkpoint.")
+    return checkpoint
 
 
 def _find_spec(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -22,27 +22,28 @@ How a logging step works (the steps are Lightning's own,
    TensorBoard also gets, once, the "Activation outliers" custom-scalars layout.
 
 Between logging steps no hook is registered and nothing runs but a step-number check. The
-life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
+life cycle (arming the hooks for the training forward only, when to open and close a capture,
+logging, warnings, state) is
+:class:`~lightning_mrs.callbacks.forward_monitor.ForwardCaptureMonitor`'s.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import lightning.pytorch as pl
-import torch
 from typing_extensions import override
 
 from lightning_mrs.callbacks.capture import reduce_over_ranks
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor
+from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
 from lightning_mrs.callbacks.outlier_report import OUTLIER, OutlierCapture, WatchedNorm, find_norm_inputs, step_metrics
 from lightning_mrs.outlier_stats import FIGURE_NAMES
 
 __all__ = ["OutlierMonitor"]
 
 
-class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
+class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
     """Log activation-outlier figures of every norm layer's input as ``outlier/<layer>/<figure>``.
 
     Per layer, over the tokens of the logging step's training forward (a token: the ``C``
@@ -118,38 +119,6 @@ class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
     @override
     def _open_capture(self, layers: list[WatchedNorm], step: int, pl_module: pl.LightningModule) -> OutlierCapture:
         return OutlierCapture(layers, step, pl_module.device, self._warn_once)
-
-    # ------------------------------------------------------------------ hooks
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._discover(pl_module)  # warnings now, not at the first logging step
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._capture is not None:
-            self._capture.arm()  # every micro-batch of the logging step
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._capture is not None:
-            self._capture.disarm()  # the training forward is over
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._capture is not None:
-            self._capture.stepped = True
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._capture is not None:
-            self._capture.disarm()  # at the latest; the next micro-batch of a logging step re-arms it
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     # ------------------------------------------------------------------ reduce + log
     @override

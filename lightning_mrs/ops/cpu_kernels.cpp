@@ -1,4 +1,4 @@
-// One-pass CPU kernels of the fused MRSNorm (PAPER.md, "Forward" and "Backward").
+// One-pass CPU kernels of the fused MRSNorm (docs/method.md#the-fused-forward-and-backward).
 //
 // Compiled on first use by lightning_mrs/ops/cpu_kernels.py (the system C++ compiler, OpenMP,
 // -O3 -march=native) and called through ctypes; lightning_mrs/ops/torch_kernels.py holds

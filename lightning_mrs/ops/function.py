@@ -3,7 +3,7 @@
 The reference formula (:mod:`lightning_mrs.ops.reference`) leaves autograd to save every
 intermediate (``x^2``, ``r``, ``S``, ``x/S``...) and runs one kernel per op.
 :class:`MRSNormFunction` saves the input and ``P * S`` per group, and calls one forward and
-one backward kernel (PAPER.md, "Backward") of the backend chosen by
+one backward kernel (``docs/method.md#the-fused-forward-and-backward``) of the backend chosen by
 :mod:`lightning_mrs.ops.dispatch`, on the canonical 3-d view of the input
 (:mod:`lightning_mrs.ops.layout`).
 """

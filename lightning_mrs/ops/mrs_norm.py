@@ -1,6 +1,6 @@
 """``mrs_norm`` and ``mrs_scale``: the MRSNorm op's public entry points.
 
-Where the mean is taken (``shared/PAPER.md``):
+Where the mean is taken (``docs/method.md#where-the-mean-is-taken``):
 
 * ``channel_dim=-1`` (channels-last, tokens / NHWC): one ``S`` per position, mean over the
   ``P = C / 2`` phasors of the last dim. Drop-in for ``F.layer_norm(x, (C,))``.

@@ -3,7 +3,7 @@
 Channels are paired as adjacent phasors ``z_i = (x[2i], x[2i+1])``. Each phasor's
 magnitude is ``r_i = sqrt(x[2i]^2 + x[2i+1]^2 + eps)`` (root first), the scale of a group
 is the plain mean ``S = mean_i r_i`` (then mean), and ``y[2i:2i+2] = w_i * z_i / S``
-(``shared/PAPER.md``). Differentiable by autograd; works on any device and layout, inside
+(``docs/method.md``). Differentiable by autograd; works on any device and layout, inside
 ``torch.compile``, under tracing, on meta tensors and in TorchScript (the modules' scripted
 forward calls it: lists rather than tuples of dims, no global tuples). Imports nothing else
 of the op.

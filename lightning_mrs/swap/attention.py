@@ -1,8 +1,9 @@
 """QK-norm for any transformer: find the attention layers, add a per-head norm on q and k.
 
-MRSNorm on the queries and keys ("phasor attention", PAPER.md) turns each attention logit into
-an energy-weighted cosine: per head, ``q_hat . k_hat = sum_i g_q,i g_k,i |q_i| |k_i| cos(theta_q,i -
-theta_k,i) / (S_q S_k)``. Since ``sum_i |q_i| / S_q = P`` (``P = head_dim / 2`` phasors), a
+MRSNorm on the queries and keys ("phasor attention",
+``docs/method.md#phasor-attention-qk-norm``) turns each attention logit into an energy-weighted
+cosine: per head, ``q_hat . k_hat = sum_i g_q,i g_k,i |q_i| |k_i| cos(theta_q,i - theta_k,i) /
+(S_q S_k)``. Since ``sum_i |q_i| / S_q = P`` (``P = head_dim / 2`` phasors), a
 logit is at most ``max(g)^2 P^2`` times the logit scale whatever the size of q and k: one
 outlier can no longer saturate the softmax. ``swap_norms(model, target, qk_norm=...)`` adds one
 (see :class:`~lightning_mrs.swap.options.SwapOptions`); this module finds the layers and plans it.

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_mrs.swap.attention import plan_attention
 from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
-from lightning_mrs.swap.options import SwapOptions
+from lightning_mrs.swap.options import SwapOptions, check_model
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport
 from lightning_mrs.swap.rewire import rewire
@@ -64,7 +64,8 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     Raises:
         ValueError: a bad option, the root is a norm, or (``strict``) a norm cannot be swapped.
             The model is untouched when this is raised.
-        TypeError: an unknown option.
+        TypeError: ``model`` is not an ``nn.Module``, an unknown option, or an option of the
+            wrong type (``strict``, ``include``/``exclude``).
 
     Example:
         >>> import torchvision
@@ -76,6 +77,7 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
         >>> sorted(swap_norms(vit, None, qk_norm="mrs").qk_added)  # MRS QK-norms, LayerNorms kept
         ['encoder.layers.encoder_layer_0.self_attention.k_norm', 'encoder.layers.encoder_layer_0.self_attention.q_norm']
     """
+    check_model("swap_norms", model)
     opts = SwapOptions.of(target, "swap_norms", **options)
     target, spatial, strict = opts.target, opts.spatial, opts.strict
     report = SwapReport(target, options=opts)

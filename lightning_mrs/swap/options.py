@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+from collections import abc
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-__all__ = ["QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions"]
+from torch import nn
+
+__all__ = ["QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
 SWAP_TARGETS = ("mrs", "rms", "layer")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
@@ -18,10 +22,48 @@ _SPATIAL = ("auto", True, False)
 Selector = Union[str, type, Iterable[Union[str, type]], None]
 
 
+def check_bool(owner: str, name: str, value: Any) -> None:
+    """Raise a ``TypeError`` naming ``owner`` unless ``value`` is a bool (``"yes"`` or ``1``
+    would otherwise be stored and read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name}={value!r} is not valid; choose True or False.")
+
+
+def check_model(owner: str, model: Any) -> None:
+    """Raise a ``TypeError`` naming ``owner`` unless ``model`` is an ``nn.Module`` (a model
+    name is the usual mistake: build the model first)."""
+    if not isinstance(model, nn.Module):
+        example = f"timm.create_model({model!r})" if isinstance(model, str) else 'timm.create_model("resnet18")'
+        shown = repr(model) if len(repr(model)) <= 80 else repr(model)[:77] + "..."  # e.g. a whole state_dict
+        raise TypeError(
+            f"{owner}: model must be a torch.nn.Module, got {type(model).__name__} ({shown}); build the model "
+            f"first and pass it, e.g. {example}."
+        )
+
+
+def _check_names(owner: str, options: Iterable[str]) -> None:
+    """Raise a ``TypeError`` naming ``owner`` for keywords that are not fields of ``SwapOptions``,
+    listing the valid ones and suggesting the closest."""
+    fields = [f.name for f in dataclasses.fields(SwapOptions)]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        close = [match[0] for name in unknown if (match := difflib.get_close_matches(name, fields, n=1))]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise TypeError(f"{owner}: unknown option(s) {unknown}{hint}; valid options: {fields}.")
+
+
 def _selectors(value: Selector, option: str) -> tuple[Union[str, type], ...]:
     if value is None:
         return ()
-    items = (value,) if isinstance(value, (str, type)) else tuple(value)
+    if isinstance(value, (str, type)):
+        items: tuple[Any, ...] = (value,)
+    elif isinstance(value, abc.Iterable):
+        items = tuple(value)
+    else:
+        raise TypeError(
+            f"SwapOptions: {option}={value!r} ({type(value).__name__}) is not valid; pass a dotted-name pattern "
+            "(e.g. 'head.*'), a module type (e.g. nn.BatchNorm2d), or a list of them."
+        )
     for item in items:
         if not isinstance(item, (str, type)):
             raise TypeError(
@@ -79,6 +121,10 @@ class SwapOptions:
     strict: bool = False
     qk_norm: Union[bool, str, None] = None
 
+    def __new__(cls, *args: Any, **options: Any) -> "SwapOptions":
+        _check_names("SwapOptions", options)  # before the dataclass __init__'s bare TypeError
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if self.target is not None and self.target not in SWAP_TARGETS:
             raise ValueError(
@@ -97,6 +143,7 @@ class SwapOptions:
             raise ValueError(f"SwapOptions: spatial={self.spatial!r} is not valid; choose one of {list(_SPATIAL)}.")
         if self.init not in _INITS:
             raise ValueError(f"SwapOptions: init={self.init!r} is not valid; choose one of {list(_INITS)}.")
+        check_bool("SwapOptions", "strict", self.strict)
         eps = self.eps
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
             raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
@@ -112,10 +159,7 @@ class SwapOptions:
         Raises:
             TypeError: an unknown keyword, listing the valid ones.
         """
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise TypeError(f"{caller}: unknown option(s) {unknown}; valid options: {fields}.")
+        _check_names(caller, options)
         if isinstance(target, SwapOptions):
             return dataclasses.replace(target, **options)
         return cls(target, **options)

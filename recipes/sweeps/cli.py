@@ -226,10 +226,13 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
                 f"{list(sweep.datasets)}")
     defaults = sweep.datasets[args.dataset]
     custom_arch = args.arch is not None and args.arch != defaults["arch"]
+    given_kwargs = args.arch_kwargs is not None
     for key in PER_DATASET:
         if getattr(args, key) is None:
             value = None if key == "arch_kwargs" and custom_arch else defaults[key]  # another model's arguments
             setattr(args, key, dict(value) if isinstance(value, dict) else value)
+    if not given_kwargs and args.arch_kwargs and "img_size" in args.arch_kwargs:
+        args.arch_kwargs["img_size"] = args.image_size  # the default ViT takes the data's size
     for key in ("weight_decay", "warmup_frac"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(sweep, key))

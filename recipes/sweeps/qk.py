@@ -203,7 +203,8 @@ def figure(rows: list[Row], path: Path) -> Any:
         top.set_ylabel("final validation top-1 (%)")
         top.set_title(f"final top-1 (batch {bs}; a diverged seed = chance)", fontsize=9)
         fig.lines(logit, rows, bs, lambda r: r.metrics.get("max_logit"))
-        logit.set_yscale("log")
+        if any((r.metrics.get("max_logit") or 0) > 0 for r in rows):  # none logged yet: a log axis has no range
+            logit.set_yscale("log")
         logit.set_ylabel("max attention logit over training")
         logit.set_title(f"largest |attention logit| (batch {bs}; worst layer)", fontsize=9)
         for ax in (top, logit):

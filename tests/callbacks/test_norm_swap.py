@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -81,8 +82,21 @@ def test_arguments_are_validated_in_init():
         NormSwap(init="random")
     with pytest.raises(TypeError, match="pattern"):
         NormSwap(exclude=[1.5])
-    with pytest.raises(TypeError, match=r"NormSwap: unknown option\(s\) \['spatail'\]; valid options: \['target', "):
-        NormSwap(spatail=True)
+    with pytest.raises(TypeError, match=re.escape(
+            "NormSwap: unknown option(s) ['exlude'] (did you mean 'exclude'?); valid options: ['target', 'spatial', "
+            "'include', 'exclude', 'init', 'eps', 'strict', 'qk_norm'].")):
+        NormSwap(exlude="fc")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(exclude=3), "SwapOptions: exclude=3 (int) is not valid; pass a dotted-name pattern (e.g. 'head.*'), a module "
+                      "type (e.g. nn.BatchNorm2d), or a list of them."),
+    (dict(strict="yes"), "SwapOptions: strict='yes' is not valid; choose True or False."),
+    (dict(verbose="no"), "NormSwap: verbose='no' is not valid; choose True or False."),
+])
+def test_arguments_of_the_wrong_type_are_refused_in_init(kwargs, message):
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        NormSwap(**kwargs)
 
 
 class StaleOptimizerModule(TinyModule):
@@ -199,9 +213,60 @@ def test_resume_of_a_checkpoint_trained_without_normswap_explains(tmp_path):
 
 def test_restore_without_record_explains(tmp_path):
     trainer, _ = fit(callbacks=[NormSwap()], steps=1)
-    trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
-    with pytest.raises(ValueError, match="no NormSwap record"):
-        NormSwap.restore(TinyModule(), tmp_path / "w.ckpt")
+    path = _save_weights_only(trainer, tmp_path / "w.ckpt")
+    with pytest.raises(ValueError, match=f"^{re.escape(f'NormSwap.restore: {path} holds no NormSwap record (was it saved')}"):
+        NormSwap.restore(TinyModule(), path)
+
+
+def _save_weights_only(trainer: pl.Trainer, path: Path) -> Path:
+    trainer.save_checkpoint(path, weights_only=True)
+    return path
+
+
+def _holding(data: bytes):
+    def make(path: Path) -> Path:
+        path.write_bytes(data)
+        return path
+    return make
+
+
+def _truncated(path: Path) -> Path:
+    torch.save({"state_dict": TinyModule().state_dict()}, path)
+    return _holding(path.read_bytes()[:300])(path)  # a zip archive cut short: no central directory
+
+
+def _tensor(path: Path) -> Path:
+    torch.save(torch.ones(2), path)
+    return path
+
+
+@pytest.mark.parametrize("make,error,what", [
+    (lambda p: p, FileNotFoundError, "no checkpoint at {} (no such file)."),
+    (_holding(b""), ValueError, "{} is empty (0 bytes); save or copy it again."),
+    (_holding(b"garbage\n"), ValueError, "{} is not a torch checkpoint file (ValueError: invalid "
+                                                              "literal for int() with base 10: 'arbage\\n'); pass the .ckpt "
+                                                              "file that Lightning wrote."),
+    (_truncated, ValueError, "{} is truncated or corrupted (RuntimeError: PytorchStreamReader failed reading zip "
+                             "archive: failed finding central directory); save or copy it again."),
+    (_tensor, ValueError, "{} holds a Tensor, not a Lightning checkpoint (a dict "
+                                                              "with 'state_dict' and 'callbacks'): save it with "
+                                                              "trainer.save_checkpoint."),
+    (lambda p: p.parent, ValueError, "{} is a directory; pass the .ckpt file."),
+], ids=["missing", "empty", "garbage", "truncated", "tensor", "directory"])
+def test_restore_of_an_unreadable_file_names_it_and_what_is_wrong(tmp_path, make, error, what):
+    path = make(tmp_path / "bad.ckpt")
+    with pytest.raises(error, match=f"^{re.escape('NormSwap.restore: ' + what.format(path))}$"):
+        NormSwap.restore(TinyModule(), path)
+
+
+@pytest.mark.parametrize("model,strict,message", [
+    ("resnet18", True, "NormSwap.restore: model must be a torch.nn.Module, got str ('resnet18'); build the model "
+                       "first and pass it, e.g. timm.create_model('resnet18')."),
+    (None, "yes", "NormSwap.restore: strict='yes' is not valid; choose True or False."),
+])
+def test_restore_refuses_arguments_of_the_wrong_type(tmp_path, model, strict, message):
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        NormSwap.restore(TinyModule() if model is None else model, tmp_path / "w.ckpt", strict=strict)
 
 
 def _fused_net() -> nn.Sequential:

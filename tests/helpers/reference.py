@@ -1,4 +1,4 @@
-"""Independent float64 references: MRSNorm, written straight from PAPER.md, and the attention
+"""Independent float64 references: MRSNorm, written straight from docs/method.md, and the attention
 figures of ``AttentionMonitor`` from a materialised softmax.
 
 Deliberately formulated differently from ``lightning_mrs.ops.reference`` (channel dim moved

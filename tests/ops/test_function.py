@@ -1,6 +1,6 @@
 """The fused autograd Function (``lightning_mrs.ops.function``), whatever backend runs it: what
 it saves for the backward, its output as a plain tensor (in-place ops after it), its
-gradients (gradcheck, double backward, PAPER.md's closed form) and ``torch.compile`` of a
+gradients (gradcheck, double backward, the closed form of docs/method.md) and ``torch.compile`` of a
 model around it. The backends' numbers against the reference are in ``test_backends.py``.
 """
 
@@ -76,8 +76,9 @@ def test_gradcheck_and_gradgradcheck_float64(layout: str, affine: bool) -> None:
 
 
 def test_backward_is_the_closed_form_of_paper() -> None:
-    """PAPER.md's fused backward: dx_k = (w g_k - c/(P S) x_k / r_p(k)) / S, c = sum w g x,
-    dw_i = sum over rows of (g x)[2i:2i+2] / S, written out here in float64."""
+    """The fused backward of docs/method.md#the-fused-forward-and-backward:
+    dx_k = (w g_k - c/(P S) x_k / r_p(k)) / S, c = sum w g x, dw_i = sum over rows of
+    (g x)[2i:2i+2] / S, written out here in float64."""
     rows, channels, eps = 5, 8, 1e-6
     phasors = channels // 2
     x, w, g = make_inputs((rows, channels), -1, None, torch.float64)

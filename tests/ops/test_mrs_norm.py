@@ -1,5 +1,5 @@
 """``lightning_mrs.mrs_norm`` (``backend="auto"``) against the independent float64 reference of
-PAPER.md over ranks 1 to 5 and odd sizes, half precision computed in fp32, and ``mrs_scale``.
+docs/method.md over ranks 1 to 5 and odd sizes, half precision computed in fp32, and ``mrs_scale``.
 
 Layouts are in ``test_layout_matrix.py``, random shapes and strides in ``test_fuzz.py``,
 each backend in ``test_backends.py`` and the argument checks in ``test_validation.py``.

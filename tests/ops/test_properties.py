@@ -1,4 +1,4 @@
-"""The properties of MRSNorm that PAPER.md derives, checked on the implementation."""
+"""The properties of MRSNorm that docs/method.md derives, checked on the implementation."""
 
 from __future__ import annotations
 

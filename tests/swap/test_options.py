@@ -48,12 +48,43 @@ def test_qk_kind_is_the_kind_of_qk_norm_added():
     assert [SwapOptions(t, qk_norm=q).qk_kind for t, q in cases] == ["rms", "layer", None, None, "mrs"]
 
 
-def test_unknown_options_raise_listing_the_valid_ones():
-    valid = f"valid options: {FIELDS}"
-    with pytest.raises(TypeError, match=re.escape(f"swap_norms: unknown option(s) ['spatail']; {valid}")):
+def test_unknown_options_raise_listing_the_valid_ones_and_the_closest():
+    valid = f"valid options: {FIELDS}."
+    with pytest.raises(TypeError, match=re.escape(f"swap_norms: unknown option(s) ['spatail'] (did you mean 'spatial'?); "
+                                                  f"{valid}")):
         swap_norms(_net(), spatail=True)
-    with pytest.raises(TypeError, match=re.escape(f"unknown option(s) ['a', 'b']; {valid}")):
-        swap_norms(_net(), SwapOptions(), b=1, a=2)  # also next to an options object
+    with pytest.raises(TypeError, match=re.escape(f"swap_norms: unknown option(s) ['a', 'b']; {valid}")):
+        swap_norms(_net(), SwapOptions(), b=1, a=2)  # also next to an options object; no close name
+    with pytest.raises(TypeError, match=re.escape(f"SwapOptions: unknown option(s) ['exlude', 'inclde'] (did you mean "
+                                                  f"'exclude', 'include'?); {valid}")):
+        SwapOptions("mrs", exlude="fc", inclde="head")  # the class itself, not only swap_norms/NormSwap
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        *[(dict(strict=v), f"SwapOptions: strict={v!r} is not valid; choose True or False.") for v in ("yes", 1, None)],
+        *[(dict(**{option: v}), f"SwapOptions: {option}={v!r} ({type(v).__name__}) is not valid; pass a dotted-name "
+                                "pattern (e.g. 'head.*'), a module type (e.g. nn.BatchNorm2d), or a list of them.")
+          for option in ("include", "exclude") for v in (3, 1.5, nn.BatchNorm2d(4))],
+    ],
+)
+def test_wrong_types_raise_naming_the_option_and_what_is_accepted(kwargs, message):
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        SwapOptions(**kwargs)
+    model = _net()
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        swap_norms(model, **kwargs)
+    assert isinstance(model[1], nn.BatchNorm2d)  # untouched
+
+
+@pytest.mark.parametrize("model,example", [("resnet18", "timm.create_model('resnet18')"),
+                                           (None, 'timm.create_model("resnet18")')])
+def test_a_model_that_is_not_a_module_is_refused(model, example):
+    message = (f"swap_norms: model must be a torch.nn.Module, got {type(model).__name__} ({model!r}); build the model "
+               f"first and pass it, e.g. {example}.")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        swap_norms(model)
 
 
 def test_selectors_become_tuples_and_bad_entries_are_refused():

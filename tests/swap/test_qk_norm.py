@@ -1,10 +1,11 @@
 """QK-norms: ``swap_norms(model, target, qk_norm=...)`` and the attention-layer protocol.
 
 Every covered family gets a QK-norm that trains (finite gradients, gradients on the new
-weights); what cannot take one is reported with the reason; varying the QK-norm alone keeps
-the body's norms; the MRS QK-norm makes attention blind to the scale of q (PAPER.md: MRSNorm
-is scale invariant), which fails without it; hooks on ``q_norm`` see the per-head queries an
-independent computation from the projection weights gives.
+weights); what cannot take one is reported with the reason; varying the QK-norm alone keeps the
+body's norms; the MRS QK-norm makes attention blind to the scale of q
+(docs/method.md#phase-preservation: MRSNorm is scale invariant), which fails without it; hooks
+on ``q_norm`` see the per-head queries an independent computation from the projection weights
+gives.
 """
 
 from __future__ import annotations
@@ -286,7 +287,8 @@ def test_mrs_qk_norm_makes_attention_blind_to_the_scale_of_q(factory, factor):
 
 
 def test_qk_norm_bounds_every_logit():
-    """|q_hat . k_hat| <= max(g)^2 P^2 (PAPER.md: sum_i r_i / S = P), however large q and k."""
+    """|q_hat . k_hat| <= max(g)^2 P^2 (docs/method.md#phasor-attention-qk-norm: sum_i r_i / S = P),
+    however large q and k."""
     model = _vit()
     swap_norms(model, None, qk_norm="mrs")
     with torch.no_grad():

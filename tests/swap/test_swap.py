@@ -17,7 +17,7 @@ from torchvision.ops.misc import FrozenBatchNorm2d  # noqa: E402
 
 
 def ref_mrs(x: torch.Tensor, w: torch.Tensor, eps: float, channel_dim: int, spatial: bool) -> torch.Tensor:
-    """PAPER.md in float64: r_i = sqrt(a^2 + b^2 + eps), S = mean r_i, y = g_i * z_i / S."""
+    """docs/method.md in float64: r_i = sqrt(a^2 + b^2 + eps), S = mean r_i, y = g_i * z_i / S."""
     x = x.double().movedim(channel_dim, -1)  # (..., C)
     z = x.unflatten(-1, (-1, 2))  # (..., P, 2)
     r = torch.sqrt((z * z).sum(-1) + eps)  # (..., P)

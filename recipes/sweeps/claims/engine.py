@@ -114,13 +114,21 @@ def describe(name: str, values: list[float], unit: str) -> str:
     return f"{name} {mean:.3g}{spread} (n={n})"
 
 
+def _reason(*whys: Optional[str]) -> Optional[str]:
+    """The reason to show of several: an arm not in the sweep, then missing cells, then too few seeds or values."""
+    found = [w for w in whys if w]
+    order = (lambda w: w.endswith("was not in this sweep"), lambda w: w.startswith("missing"),
+             lambda w: w.startswith("too few seeds"), lambda w: True)
+    return next((w for test in order for w in found if test(w)), None)
+
+
 def welch_comparison(label: str, a: tuple[str, Values], b: tuple[str, Values], side: Side, threshold: float,
                      scale: float = 1.0, unit: str = "pt", optional: bool = False) -> Comparison:
     """Welch's interval of ``mean(a) - scale * mean(b)`` against ``threshold`` (``a``, ``b``: name, values)."""
     (name_a, (va, why_a)), (name_b, (vb, why_b)) = a, b
     factor = f"{scale:g} x " if scale != 1 else ""
     numbers = f"{describe(name_a, va, unit)}; {factor}{describe(name_b, vb, unit)}"
-    why = why_a or why_b
+    why = _reason(why_a, why_b)
     return Comparison(label, numbers, side, threshold, lambda lv: None if why else welch_interval(va, vb, lv, scale),
                       why, unit, optional)
 
@@ -136,7 +144,7 @@ def ratio(label: str, a: tuple[str, Values], b: tuple[str, Values]) -> Compariso
     """The F interval of ``var(a) / var(b)`` above 1."""
     (name_a, (va, why_a)), (name_b, (vb, why_b)) = a, b
     numbers = f"{describe(name_a, va, 'pt')}; {describe(name_b, vb, 'pt')}"
-    why = why_a or why_b
+    why = _reason(why_a, why_b)
     return Comparison(label, numbers, "above", 1.0, lambda lv: None if why else variance_ratio_interval(va, vb, lv),
                       why, "x")
 

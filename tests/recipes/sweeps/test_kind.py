@@ -9,7 +9,9 @@ synthetic data, and the outputs carry its arm column, its metric, its claim and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from recipes.sweeps.claims.engine import Claim, arm_values, welch_comparison
 from recipes.sweeps.claims.markdown import DECISION_RULE
 from recipes.sweeps.kind import History, Measured, Sweep
 from recipes.sweeps.records import Row, read_csv
-from recipes.sweeps.runner import run
+from recipes.sweeps.runner import main, run
 from recipes.sweeps.series import finite_mean
 
 
@@ -54,6 +56,14 @@ def _no_monitors(args: argparse.Namespace) -> list[Any]:
     return []
 
 
+def _schedule(arm: str) -> dict[str, Any]:
+    if arm == "boom":  # the failing kind's arm: fine while the settings are checked, fails in a worker
+        if multiprocessing.current_process().name != "MainProcess":
+            raise RuntimeError("boom")
+        return {"norm": "batch"}
+    return {"norm": "batch", "schedule": arm}
+
+
 SCHEDULE = Sweep(
     name="schedule", arm_column="schedule", flag="--schedules", arms=("cosine", "constant"),
     arms_help="lr schedules to compare", grid={"arms": ["cosine", "constant"], "lrs": [0.05], "batch_sizes": [8],
@@ -63,7 +73,7 @@ SCHEDULE = Sweep(
                             "epochs": 1, "accelerator": "cpu",
                             "arch_kwargs": {"layers": [1, 1, 1, 1], "channels": [4, 8, 8, 8], "stem_width": 4}}},
     optimizer="sgd", weight_decay=0.0, warmup_frac=0.0, optimizer_text="plain SGD", help="schedule: a test kind",
-    model_arms=lambda arm: {"norm": "batch", "schedule": arm}, monitors=_no_monitors, measure=_measure,
+    model_arms=_schedule, monitors=_no_monitors, measure=_measure,
     metric_columns=("mean_train_loss",), table=(("mean train loss", "mean_train_loss"),),
     table_note="mean train loss: over the logged steps.", claims=_claims, rule=("Test rule.", "", *DECISION_RULE),
     figure=_figure, title="Schedule sweep", arm_label="schedule", plotted="the mean training loss",
@@ -105,3 +115,17 @@ def test_the_registry_is_one_line_per_kind() -> None:
         assert kind.cell_name("a", 0.1, 8, 0).startswith(kind.cell_prefix)
     prefixes = [k.cell_prefix for k in registry.SWEEPS.values()]
     assert len(set(prefixes)) == len(prefixes)  # cells of different kinds never share an id
+
+
+@pytest.mark.slow  # two spawned workers importing torch and Lightning: ~20-40 s
+def test_cells_running_beside_a_failing_one_are_kept(tmp_path: Path) -> None:
+    """--jobs 2: one cell fails at once in its worker, the other goes on, finishes and is kept."""
+    failing = dataclasses.replace(SCHEDULE, arms=("boom", "cosine"))
+    out = tmp_path / "sweep"
+    argv = ["--sweep", "schedule", "--schedules", "boom", "cosine", "--seeds", "0", "--dataset", "synthetic",
+            "--synthetic-train-size", "32", "--synthetic-val-size", "16", "--max-steps", "2", "--jobs", "2",
+            "--out", str(out)]
+    with pytest.raises(RuntimeError, match="boom"):
+        main(argv, kinds={"schedule": failing})
+    assert [p.name for p in (out / "cells").glob("*.json")] == ["sched-cosine_lr0.05_bs8_seed0.json"]
+    assert [r["schedule"] for r in results_rows(out)] == ["cosine"]  # the report was rebuilt with it

@@ -149,7 +149,8 @@ def test_qk_defaults_and_help(capsys: pytest.CaptureFixture) -> None:
     (["--sweep", "qk", "--qk-norms", "l2"], "--qk-norms: invalid choice: 'l2'"),
     (["--sweep", "qk", "--lrs", "0"], "--lrs must all be > 0"),
     (["--sweep", "qk", "--warmup-frac", "1"], "--warmup-frac must lie in [0, 1)"),
-    (["--sweep", "qk", "--image-size", "16"], "--image-size 16 does not fit the model's img_size 8"),
+    (["--sweep", "qk", "--image-size", "16", "--arch-kwargs", '{"img_size": 8}'],
+     "--image-size 16 does not fit the model's img_size 8"),
 ])
 def test_bad_qk_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture,
                           error_line: Callable[[int, str], str]) -> None:
