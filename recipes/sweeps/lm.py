@@ -11,7 +11,7 @@ the loss scaler. A diverged cell counts as 8 bits per byte (:data:`~recipes.swee
 The statements tested, from the paper's abstract ("in RMSNorm, sum(x^2) lets a single large-magnitude
 channel dominate the denominator, which in mixed precision or under extreme optimisation leads to
 numerical explosion (NaN), gradient starvation of the low-magnitude channels ..."; MRSNorm's mean
-of pair magnitudes is meant to stop that) and ``docs/method.md`` ("The language-model sweeps"):
+of pair magnitudes is meant to stop that) and ``docs/method.md`` ("The language-model sweeps", the claims table):
 **P1** numerical explosion, **P2** outlier dominance, **P3** gradient starvation, **P4** learning-rate
 robustness, **P5** half the affine parameters cost nothing. Each is a list of comparisons over
 seeds, decided and combined by :func:`recipes.sweeps.claims.engine.evaluate`; the thresholds are
@@ -87,7 +87,8 @@ TEXT: dict[str, tuple[str, str, str]] = {
            "mean of pair magnitudes takes it in linearly.",
            "In the RMSNorm cells of each claimed precision (bf16, fp16), on the OutlierMonitor's records of the "
            "inputs that entered the norms (worst layer, worst token, largest over the logged steps before any "
-           "divergence). Per seed, averaged over the swept lrs: the largest channel's share of sum x^2 (`rms_share`) "
+           "divergence). Per seed, averaged over the swept lrs at which it recorded (a run that diverged before its first "
+           "logging step recorded nothing): the largest channel's share of sum x^2 (`rms_share`) "
            f"times C (C channels: 1 is a uniform share), t interval above {LARGE_SHARE:g}; and the largest phasor's "
            "share of MRSNorm's sum of pair magnitudes on the same inputs (`mrs_share`) minus `rms_share`, t interval "
            "below 0 (a uniform token has mrs_share 2/C, twice rms_share's 1/C: the raw shares are compared, as the "
@@ -142,8 +143,13 @@ def _high(rows: list[Row]) -> list[float]:
     return [lr for lr in distinct_lrs(rows) if lr >= HIGH_LR_MIN * (1 - 1e-9)]
 
 
-def per_seed(rows: list[Row], arm: str, lrs: list[float], bs: int, get: Callable[[Row], Optional[float]]) -> Values:
-    """Per seed, the mean of ``get`` over ``lrs`` (a seed needs every lr and a value at each); why not enough."""
+def per_seed(rows: list[Row], arm: str, lrs: list[float], bs: int, get: Callable[[Row], Optional[float]],
+             every_lr: bool = True) -> Values:
+    """Per seed, the mean of ``get`` over ``lrs``; why the values do not suffice.
+
+    ``every_lr``: a seed needs a value at every lr; else the mean over the lrs where it has one (a run
+    that diverged before its first logging step recorded nothing) and at least one.
+    """
     if not any(r.arm == arm for r in rows):
         return [], f"{arm} was not in this sweep"
     if not lrs:
@@ -154,10 +160,12 @@ def per_seed(rows: list[Row], arm: str, lrs: list[float], bs: int, get: Callable
     values = []
     for seed in sorted({r.seed for r in select(rows, batch_size=bs, arm=arm)}):
         got = [get(r) for lr in lrs for r in select(rows, lr=lr, batch_size=bs, arm=arm) if r.seed == seed]
-        if len(got) == len(lrs) and all(v is not None and math.isfinite(v) for v in got):
-            values.append(statistics.fmean(got))
+        usable = [v for v in got if v is not None and math.isfinite(v)]
+        if (len(usable) == len(lrs)) if every_lr else usable:
+            values.append(statistics.fmean(usable))
     if len(values) < MIN_SEEDS:
-        return values, f"too few seeds: {arm} has {len(values)} with every lr (needs {MIN_SEEDS})"
+        which = "with every lr" if every_lr else "with a record"
+        return values, f"too few seeds: {arm} has {len(values)} {which} (needs {MIN_SEEDS})"
     return values, None
 
 
@@ -193,10 +201,10 @@ def _claim2(rows: list[Row]) -> list[tuple[str, list[Comparison]]]:
     for precision in CLAIM_PRECISIONS:
         arm = _arm("rms", precision)
         for bs in sorted({r.batch_size for r in rows}):
-            large.append(single(f"{arm}, batch {bs}: C x rms_share", (arm, per_seed(rows, arm, lrs, bs, relative)),
-                                "above", LARGE_SHARE, ""))
-            lowers.append(single(f"{arm}, batch {bs}: mrs_share - rms_share", (arm, per_seed(rows, arm, lrs, bs, lower)),
-                                 "below", 0.0, ""))
+            large.append(single(f"{arm}, batch {bs}: C x rms_share",
+                                (arm, per_seed(rows, arm, lrs, bs, relative, every_lr=False)), "above", LARGE_SHARE, ""))
+            lowers.append(single(f"{arm}, batch {bs}: mrs_share - rms_share",
+                                 (arm, per_seed(rows, arm, lrs, bs, lower, every_lr=False)), "below", 0.0, ""))
     return [(f"the largest channel's share of sum x^2 in RMSNorm models, in uniform shares: above {LARGE_SHARE:g}",
              large), ("MRSNorm's share of the same inputs minus RMSNorm's: below 0", lowers)]
 
@@ -335,7 +343,9 @@ TABLE_NOTE = ("Loss scaler (fp16 only): skipped = optimizer steps it skipped (gr
               "share of sum x^2 (worst token); mrs_share = the largest phasor's share of the sum of pair magnitudes "
               "(same inputs); fp16 overflow = share of inputs with |x| >= 256. grad_cv, starved: the "
               "GradientHomogeneityMonitor's `phasor/all/*`, mean over the logged steps. max logit: the "
-              "AttentionMonitor's largest |attention logit|. All mean over seeds.")
+              "AttentionMonitor's largest |attention logit| (for this Llama: scale x q.k of the queries and keys as they "
+              "leave their projections and QK-norms, before the rotary embedding and the causal mask). All mean over "
+              "seeds.")
 
 
 def data_note(data: Mapping[str, Any]) -> str:
@@ -373,20 +383,24 @@ LM_ARMS = tuple(_arm(n, p) for p in ("fp16", "bf16", "fp32") for n in NORMS)
 #: the default grid's arms: every norm in fp16 and bf16 (fp16 first: the premise), the fp32 reference for rms and mrs
 DEFAULT_ARMS = [*(_arm(n, p) for p in ("fp16", "bf16") for n in NORMS), "rms-fp32", "mrs-fp32"]
 
+#: what the language-model kinds share: data, budget, optimizer, monitors, columns, score, cell and checks
+LM_COMMON: dict[str, Any] = dict(
+    datasets=LM_DATASETS, default_dataset="stdlib", optimizer="adamw", weight_decay=0.1, warmup_frac=0.0,
+    optimizer_text="AdamW betas (0.9, 0.95), decoupled weight decay on weight matrices only (not on norms, biases, "
+                   "embeddings), gradient clipping at norm 1 (the LM recipe's)",
+    monitors=monitors, measure=measure, metric_columns=METRICS, table=TABLE, table_note=TABLE_NOTE, score=BPB,
+    head_columns=HEAD, runner="recipes.sweeps.lm_cell:run_lm_cell", checker="recipes.sweeps.lm_cell:check_lm_cells",
+    data_note=data_note,
+)
+
 LM = Sweep(
     name="lm", arm_column="arm", flag="--lm-arms", arms=LM_ARMS,
     arms_help="--sweep lm: norm-precision arms (fp32 runs at the smallest and largest lr only)",
     grid={"arms": DEFAULT_ARMS, "lrs": [0.001, 0.01, 0.1, 1.0], "batch_sizes": [16], "seeds": [0, 1, 2]},
     quick={"lrs": [0.01, 1.0], "seeds": [0], "max_steps": {"stdlib": 40, "text": 40}},
-    datasets=LM_DATASETS, default_dataset="stdlib",
-    optimizer="adamw", weight_decay=0.1, warmup_frac=0.0,
-    optimizer_text="AdamW betas (0.9, 0.95), decoupled weight decay on weight matrices only (not on norms, biases, "
-                   "embeddings), gradient clipping at norm 1 (the LM recipe's)",
     help="lm: the body norms of a byte-level Llama in bf16 and fp16 mixed precision",
-    model_arms=_model_arms, monitors=monitors, measure=measure, metric_columns=METRICS, table=TABLE,
-    table_note=TABLE_NOTE, claims=claims, rule=RULE, figure=figure, title="Language-model norm stress sweep",
+    model_arms=_model_arms, claims=claims, rule=RULE, figure=figure, title="Language-model norm stress sweep",
     arm_label="norm and precision", plotted="the final val bpb and RMSNorm's largest-channel share per precision",
-    cell_prefix="lm-", out_stem="stress_lm", extra_settings=extra_settings, progress_note=progress_note,
-    score=BPB, head_columns=HEAD, runner="recipes.sweeps.lm_cell:run_lm_cell",
-    checker="recipes.sweeps.lm_cell:check_lm_cells", keep=keep, data_note=data_note,
+    cell_prefix="lm-", out_stem="stress_lm", extra_settings=extra_settings, progress_note=progress_note, keep=keep,
+    **LM_COMMON,
 )

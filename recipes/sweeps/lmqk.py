@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from recipes.sweeps import figure as fig
 from recipes.sweeps.claims.engine import Claim, Comparison, arm_values, welch_comparison
 from recipes.sweeps.claims.markdown import DECISION_RULE
 from recipes.sweeps.kind import Sweep
-from recipes.sweeps.lm import (HEAD, LM_DATASETS, METRICS, TABLE, TABLE_NOTE, data_note,
-                               extra_settings as lm_settings, measure, monitors)
-from recipes.sweeps.qk import HIGH_LR_MIN, log_logit, per_lr, premise, sensitivity
+from recipes.sweeps.lm import LM_COMMON, LM_DATASETS, extra_settings as lm_settings
+from recipes.sweeps.qk import HIGH_LR_MIN, log_logit, per_lr, premise, progress_note, sensitivity
 from recipes.sweeps.records import Row, distinct_lrs
 from recipes.sweeps.robustness import robustness
 from recipes.sweeps.score import BPB, DIVERGED_BPB
@@ -139,26 +138,15 @@ def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
             "precision": args.precision or LM_DATASETS[args.dataset]["precision"]}
 
 
-def progress_note(record: Mapping[str, Any]) -> str:
-    value = record.get("max_logit")
-    return f", max attention logit {value:.3g}" if value is not None else ""
-
-
 LM_QK = Sweep(
     name="lm-qk", arm_column="qk_norm", flag="--lm-qk-norms", arms=("none", "layer", "rms", "mrs"),
     arms_help="--sweep lm-qk: QK-norms to compare; none adds none",
     grid={"arms": ["none", "layer", "rms", "mrs"], "lrs": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0],
           "batch_sizes": [16], "seeds": [0, 1, 2]},
     quick={"lrs": [0.003, 0.1, 1.0], "seeds": [0], "max_steps": {"stdlib": 40, "text": 40}},
-    datasets=LM_DATASETS, default_dataset="stdlib",
-    optimizer="adamw", weight_decay=0.1, warmup_frac=0.0,
-    optimizer_text="AdamW betas (0.9, 0.95), decoupled weight decay on weight matrices only (not on norms, biases, "
-                   "embeddings), gradient clipping at norm 1 (the LM recipe's)",
     help="lm-qk: the QK-norms of the byte-level Llama (its RMSNorms stay)",
-    model_arms=_model_arms, monitors=monitors, measure=measure, metric_columns=METRICS, table=TABLE,
-    table_note=TABLE_NOTE, claims=claims, rule=RULE, figure=figure, title="Language-model QK-norm stress sweep",
+    model_arms=_model_arms, claims=claims, rule=RULE, figure=figure, title="Language-model QK-norm stress sweep",
     arm_label="QK-norm", plotted="the final val bpb and the largest attention logit",
     cell_prefix="lmqk-", out_stem="stress_lm_qk", extra_settings=extra_settings, progress_note=progress_note,
-    score=BPB, head_columns=HEAD, runner="recipes.sweeps.lm_cell:run_lm_cell",
-    checker="recipes.sweeps.lm_cell:check_lm_cells", data_note=data_note,
+    **LM_COMMON,
 )

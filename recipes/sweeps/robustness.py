@@ -12,6 +12,11 @@ Per arm and batch size, over the swept learning rates ``L`` (accuracy = the fina
   monotonic).
 * best lr and its seed-mean accuracy.
 
+The same for any :class:`~recipes.sweeps.score.Score`: a language-model sweep's is the final val
+bits per byte (lower is better, a diverged cell counted as 8 and every cell capped there): the
+sensitivity is the mean of (bpb - the seed's best), "largest lr within 10 %" allows 1.1 x the best
+bpb, and ``per_seed_max_lr`` gives that lr per seed.
+
 ``L`` is every learning rate of the table; an arm/batch size lacking one of them is marked
 incomplete and its LR sensitivity is left empty (it would not be comparable). Needs no torch.
 

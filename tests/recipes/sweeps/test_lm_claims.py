@@ -202,3 +202,16 @@ def test_lm_qk_claims_contradicted_and_inconclusive() -> None:
     assert worse["Q3"] == "contradicted" and worse["Q2"] == "inconclusive"  # same curve as none: a difference of 0
     one_seed = [r for r in _qk_world() if r.seed == 0]
     assert set(_qk_verdicts(one_seed).values()) == {"inconclusive"}
+
+
+def test_p2_uses_the_lrs_a_run_recorded_at() -> None:
+    """A run that diverged before its first logging step recorded no shares: P2 averages over the others."""
+    def shares(n: str, p: str, lr: float, s: int) -> tuple:
+        return (None, None) if n == "rms" and p == "fp16" and lr == 1.0 else (0.5 + 0.01 * s, 0.2 + 0.01 * s)
+
+    (_, large), _ = _claim(_world(shares=shares), "P2").outcomes
+    assert large[1].comparison.label == "rms-fp16, batch 16: C x rms_share" and large[1].verdict == "supported"
+    assert large[1].interval.estimate == pytest.approx(C * 0.51)
+    nothing = _claim(_world(shares=lambda n, p, lr, s: (None, None)), "P2")
+    assert nothing.verdict == "inconclusive" and "has 0 with a record" in str(
+        [o.comparison.reason for _, g in nothing.outcomes for o in g])
