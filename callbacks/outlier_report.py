@@ -119,6 +119,8 @@ def find_norm_inputs(model: nn.Module) -> tuple[list[WatchedNorm], list[tuple[st
     unwatchable: list[tuple[str, str]] = []
     for name, module in model.named_modules():
         spec = norm_spec(module)
+        if spec is not None and spec.kind == "probed" and spec.formula is None:
+            spec = None  # named like a norm, but the probe could not read it: the by-name rules decide
         shape = getattr(module, "normalized_shape", None)
         if spec is not None and isinstance(shape, (tuple, list, torch.Size)) and len(shape) != 1:
             unwatchable.append((name, f"its normalized_shape {tuple(shape)} spans {len(shape)} dims, not one channel dim"))

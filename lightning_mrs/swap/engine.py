@@ -18,7 +18,7 @@ from lightning_mrs.swap.attention import plan_attention
 from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
 from lightning_mrs.swap.options import SwapOptions, check_model
 from lightning_mrs.swap.registry import NormSpec, norm_spec
-from lightning_mrs.swap.report import SwapReport
+from lightning_mrs.swap.report import SwapReport, by_reason
 from lightning_mrs.swap.rewire import rewire
 
 __all__ = ["swap_norms"]
@@ -50,8 +50,14 @@ def _deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Optio
 def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", **options: Any) -> SwapReport:
     """Replace the norm layers of ``model`` in place; return what was done.
 
+    Norm layers are the registered classes (torch, timm, torchvision, lightning-mrs) and any
+    other leaf that computes RMS or LayerNorm over the last dim, recognised by running it
+    (:mod:`lightning_mrs.swap.probe`: every Hugging Face ``*RMSNorm``, Gemma's ``1 + w``
+    included). Every norm is converted, already the target, excluded, or in ``report.skipped``
+    with the reason; a swap that converts none of a model's norms warns.
+
     Args:
-        model: any module (timm, torchvision, your own). Its root must not itself be a norm
+        model: any module (timm, torchvision, transformers, your own). Its root must not itself be a norm
             layer to replace: wrap it first, e.g. ``nn.Sequential(norm)``.
         target: ``"mrs"``, ``"rms"`` or ``"layer"``, ``None`` (keep the body's norms), or a
             whole :class:`SwapOptions`.
@@ -60,6 +66,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
 
     Returns:
         A :class:`SwapReport`; ``print(report)`` gives the summary.
+
+    Warns:
+        UserWarning: the model has norm layers but none was converted (the reasons are listed).
 
     Raises:
         ValueError: a bad option, the root is a norm, or (``strict``) a norm cannot be swapped.
@@ -167,19 +176,11 @@ def _say_if_nothing(model: nn.Module, report: SwapReport, found: int) -> None:
             "nothing the probe recognises as RMS or LayerNorm): nothing to swap"
         )
     elif not (report.converted or report.unchanged or report.qk_added) and report.skipped:
-        reasons = _by_reason_short(report.skipped)
+        lines = by_reason(report.skipped)
+        reasons = "; ".join(line.strip() for line in lines[:3]) + ("; ..." if len(lines) > 3 else "")
         warnings.warn(
             f"swap_norms(target={report.target!r}) converted none of the {len(report.skipped)} norm layers of "
             f"{type(model).__qualname__}: {reasons}",
             UserWarning,
             stacklevel=3,
         )
-
-
-def _by_reason_short(skipped: dict[str, str], limit: int = 3) -> str:
-    by_reason: dict[str, list[str]] = {}
-    for name, reason in skipped.items():
-        by_reason.setdefault(reason, []).append(name or "<root>")
-    parts = [f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {reason}"
-             for reason, names in list(by_reason.items())[:limit]]
-    return "; ".join(parts) + ("; ..." if len(by_reason) > limit else "")

@@ -30,9 +30,9 @@ _RMS_OFFSET = ("rms", "1+w")
 #: class name -> ((kind, weight), eps when the class has no eps attribute)
 KNOWN_NORMS: dict[str, tuple[tuple[str, str], Optional[float]]] = {
     **{f"{family}RMSNorm": (_RMS, None) for family in (
-        "Llama", "Mistral", "Mixtral", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "Olmo2", "Olmo3", "Olmoe",
-        "Phi3", "PhiMoe", "Granite", "GraniteMoe", "Cohere2", "Starcoder2", "DeepseekV3", "Glm", "Glm4",
-        "SmolLM3", "Ernie4_5", "HunYuanDenseV1", "Exaone4", "Arcee", "Dots1", "Ministral",
+        "Llama", "Mistral", "Mixtral", "Ministral", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "Olmo2", "Olmo3",
+        "Olmoe", "Phi3", "Granite", "GraniteMoe", "DeepseekV3", "Glm", "Glm4", "SmolLM3", "Ernie4_5", "Exaone4",
+        "Arcee", "Dots1",
     )},
     "T5LayerNorm": (_RMS, None),
     **{f"{family}RMSNorm": (_RMS_OFFSET, None) for family in ("Gemma", "Gemma2", "Gemma3")},

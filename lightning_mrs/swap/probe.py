@@ -260,7 +260,11 @@ def recognise(module: nn.Module, eps: Optional[float] = None,
         return hit[1]  # a second lookup (every iter_norm_layers call) costs no forward
     channels = _channels(module)
     if reason is None and channels is None:
-        reason = "cannot tell its channel count (no weight, normalized_shape or hidden_size)"
+        # a weightless norm works at any width: say what it computes, though nothing can be built
+        width_free = probe_norm(module, 8, eps).formula
+        what = f"computes {width_free}, but" if width_free is not None else "a weightless module that"
+        reason = (f"{what} has no weight, normalized_shape or hidden_size to tell its width, which the "
+                  "replacement needs")
     formula = None
     if reason is None:
         probe = probe_norm(module, channels, eps)

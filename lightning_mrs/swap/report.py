@@ -8,7 +8,7 @@ from typing import Optional
 
 from lightning_mrs.swap.options import SwapOptions
 
-__all__ = ["SwapReport"]
+__all__ = ["SwapReport", "by_reason"]
 
 
 @dataclass
@@ -92,7 +92,7 @@ class SwapReport:
         lines += [f"note: {note}" for note in self.notes]
         if skipped:
             lines.append(f"skipped ({len(skipped)}):")
-            lines += _by_reason(skipped)
+            lines += by_reason(skipped)
         return "\n".join(lines)
 
     def _attention_lines(self) -> list[str]:
@@ -107,11 +107,11 @@ class SwapReport:
             lines.append(f"  {old} -> {new} (same weights, takes the QK-norm)  x{count}")
         if self.attention_skipped:
             lines.append(f"attention layers without a QK-norm ({len(self.attention_skipped)}):")
-            lines += _by_reason(self.attention_skipped)
+            lines += by_reason(self.attention_skipped)
         return lines
 
 
-def _by_reason(skipped: dict[str, str]) -> list[str]:
+def by_reason(skipped: dict[str, str]) -> list[str]:
     """One line per reason with the first few names it applies to."""
     by_reason: dict[str, list[str]] = {}
     for name, reason in skipped.items():

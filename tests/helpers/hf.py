@@ -15,7 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-__all__ = ["FAMILIES", "LAYERNORM_FAMILIES", "NORMS", "VOCAB", "tiny_causal_lm", "tiny_config", "token_batch"]
+__all__ = ["FAMILIES", "LAYERNORM_FAMILIES", "NORMS", "VOCAB", "lit_causal_lm", "tiny_causal_lm", "tiny_config", "token_batch",
+           "token_data"]
 
 VOCAB = 64
 #: the families every norm-swap test covers (issue 18 §2) -> what their norms compute, read off
@@ -43,9 +44,18 @@ _FAMILY: dict[str, dict[str, Any]] = {
 }
 
 
+#: mixture-of-experts sizes, set only where the family's config has them (4 experts of width 32)
+_MOE: dict[str, Any] = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1)
+
+
 def tiny_config(model_type: str, **overrides: Any) -> "transformers.PretrainedConfig":
-    """A 2-layer config of width 32 and vocab 64 for ``model_type`` (``overrides`` win)."""
-    return transformers.AutoConfig.for_model(model_type, **{**_COMMON, **_FAMILY.get(model_type, {}), **overrides})
+    """A 2-layer config of width 32 and vocab 64 for ``model_type`` (``overrides`` win); a
+    mixture of experts gets 4 experts of width 32."""
+    defaults = transformers.CONFIG_MAPPING[model_type]()
+    moe = {k: v for k, v in _MOE.items() if isinstance(getattr(defaults, k, None), int)}
+    return transformers.AutoConfig.for_model(
+        model_type, **{**_COMMON, **moe, **_FAMILY.get(model_type, {}), **overrides})
 
 
 def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -68,3 +78,33 @@ def tiny_causal_lm(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn
 def token_batch(batch: int = 2, length: int = 8, seed: int = 0) -> torch.Tensor:
     """Random token ids ``(batch, length)`` in the tiny vocab."""
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def token_data(n: int = 16, length: int = 8, seed: int = 1) -> "torch.utils.data.TensorDataset":
+    """``n`` random token sequences ``(n, length)``: the inputs and the next-token labels."""
+    return torch.utils.data.TensorDataset(token_batch(n, length, seed))
+
+
+def lit_causal_lm(model_type: str, lr: float = 0.05, **overrides: Any) -> "pl.LightningModule":
+    """A LightningModule around :func:`tiny_causal_lm`: next-token loss with SGD; ``forward``
+    gives the logits ``(B, N, vocab)``. Built from the config each time (a "fresh model")."""
+    import lightning.pytorch as pl
+
+    class LitCausalLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny_causal_lm(model_type, **overrides).train()
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=tokens).logits
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            loss = self.lm(input_ids=tokens, labels=tokens).loss
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=lr)
+
+    return LitCausalLM()
