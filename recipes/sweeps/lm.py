@@ -280,6 +280,21 @@ def claims(rows: list[Row]) -> list[Claim]:
     return [Claim(key, *TEXT[key], groups=build(rows)) for key, build in builders.items()]
 
 
+def _divergence_marks(ax: Any, rows: list[Row], bs: int) -> None:
+    """At the foot of ``ax``, an x in the norm's colour and ``k/n`` where k of a cell's n seeds diverged
+    (a diverged run may have recorded no share at all, so the line above it can stop short)."""
+    norms = sorted({r.arm for r in rows}, key=lambda n: NORMS.index(n) if n in NORMS else len(NORMS))
+    for i, norm in enumerate(norms):
+        for lr in distinct_lrs(rows):
+            cells = select(rows, lr=lr, batch_size=bs, arm=norm)
+            k = sum(r.diverged for r in cells)
+            if k:
+                y = 0.04 + 0.07 * i  # axes fraction: one level per norm
+                ax.plot([lr], [y], "x", color=fig.COLOURS.get(norm), ms=8, mew=2, transform=ax.get_xaxis_transform())
+                ax.text(lr, y, f"{k}/{len(cells)}  ", color=fig.COLOURS.get(norm), fontsize=7, va="center", ha="right",
+                        transform=ax.get_xaxis_transform())
+
+
 def figure(rows: list[Row], path: Path) -> Any:
     """Per precision a column: final bpb against lr (top), RMSNorm's largest-channel share of the norm inputs
     (``max_rms_share``, bottom); a red x where a seed diverged. Returns the panels (2 x precisions)."""
@@ -296,7 +311,8 @@ def figure(rows: list[Row], path: Path) -> Any:
         top.axhline(DIVERGED_BPB, color="k", ls=":", lw=1)
         top.set_title(f"{precision}: final val bpb (diverged = {DIVERGED_BPB:g})", fontsize=9)
         fig.lines(share, mine, bs, lambda r: r.metrics.get("max_rms_share"))
-        share.set_title(f"{precision}: largest channel's share of sum x^2", fontsize=9)
+        _divergence_marks(share, mine, bs)
+        share.set_title(f"{precision}: largest channel's share of sum x^2 (x: k/n diverged)", fontsize=8)
         for ax in (top, share):
             fig.lr_axis(ax, all_lrs)
     axes[0][0].set_ylabel("final validation bits per byte")
