@@ -43,7 +43,7 @@ from lightning_mrs.swap.spec import (
     LayerRecord, describe_layers, differences, format_record, is_qk_name, rebuild, rebuild_v1,
 )
 
-__all__ = ["NormSwap"]
+__all__ = ["NormSwap", "read_checkpoint"]
 
 _SPEC_VERSION = 2
 _SHOWN = 5  # layers listed in an error message
@@ -285,7 +285,7 @@ class NormSwap(Callback):
         """
         check_model("NormSwap.restore", model)
         check_bool("NormSwap.restore", "strict", strict)
-        checkpoint = _load_checkpoint(checkpoint_path, map_location)
+        checkpoint = read_checkpoint(checkpoint_path, map_location)
         spec = _find_spec(checkpoint)
         if spec is None:
             raise ValueError(
@@ -351,14 +351,22 @@ def _options_of(spec: dict[str, Any]) -> str:
     return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
 
 
-def _load_checkpoint(path: Union[str, os.PathLike], map_location: Any) -> dict[str, Any]:
-    """``torch.load`` of a Lightning checkpoint, with one error naming the file and what is wrong."""
+def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *,
+                    owner: str = "NormSwap.restore") -> dict[str, Any]:
+    """``torch.load`` of a Lightning checkpoint, with one error naming ``owner``, the file and what is wrong
+    (missing, a directory, empty, truncated, not a torch file, not a dict). The recipes read ``--ckpt_path``
+    with it (``owner="--ckpt_path"``).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: anything else that keeps the file from being a checkpoint.
+    """
     if not os.path.exists(path):
-        raise FileNotFoundError(f"NormSwap.restore: no checkpoint at {os.fspath(path)} (no such file).")
+        raise FileNotFoundError(f"{owner}: no checkpoint at {os.fspath(path)} (no such file).")
     if os.path.isdir(path):
-        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is a directory; pass the .ckpt file.")
+        raise ValueError(f"{owner}: {os.fspath(path)} is a directory; pass the .ckpt file.")
     if os.path.getsize(path) == 0:
-        raise ValueError(f"NormSwap.restore: {os.fspath(path)} is empty (0 bytes); save or copy it again.")
+        raise ValueError(f"{owner}: {os.fspath(path)} is empty (0 bytes); save or copy it again.")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as err:  # noqa: BLE001 - torch raises many kinds (RuntimeError, UnpicklingError, EOFError, ...)
@@ -367,9 +375,9 @@ def _load_checkpoint(path: Union[str, os.PathLike], map_location: Any) -> dict[s
         reason = f"{type(err).__name__}: {str(err).split('. ')[0].strip()}"  # torch's first sentence
         what = ("is truncated or corrupted ({}); save or copy it again." if zipped else
                 "is not a torch checkpoint file ({}); pass the .ckpt file that Lightning wrote.")
-        raise ValueError(f"NormSwap.restore: {os.fspath(path)} " + what.format(reason)) from None
+        raise ValueError(f"{owner}: {os.fspath(path)} " + what.format(reason)) from None
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"NormSwap.restore: {os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning "
+        raise ValueError(f"{owner}: {os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning "
                          "checkpoint (a dict with 'state_dict' and 'callbacks'): save it with trainer.save_checkpoint.")
     return checkpoint
 

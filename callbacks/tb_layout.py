@@ -2,7 +2,13 @@
 
 A :class:`Dashboard` is one category of the custom-scalars plugin: multiline charts take tag
 *regexes*, so one chart covers every layer (and ``<prefix>/all``); an optional margin chart
-per layer takes exact tags (a value with its band). :data:`HOMOGENEITY` is
+per layer takes exact tags (a value with its band).
+
+Tags: the summary over layers is ``<prefix>/all/<stat>``; a layer's figures are
+``z-layers/<prefix>/<layer>/<stat>`` (:data:`LAYERS`). TensorBoard's Time Series sorts its cards
+by tag and groups them by the tag's first component, so the groups appear in name order:
+``attention``, ``phasor`` (a page of summaries each), ``train``, ``val``, then ``z-layers`` with
+every per-layer card, which would otherwise sit inside the ``phasor`` group above ``train``. :data:`HOMOGENEITY` is
 ``GradientHomogeneityMonitor``'s ("Phasor homogeneity"), :data:`ATTENTION`
 ``AttentionMonitor``'s ("Attention").
 
@@ -14,8 +20,8 @@ Example:
     >>> layout = HOMOGENEITY.layout(["layer1.0.bn1"])
     >>> sorted(layout[HOMOGENEITY.category])[:2]
     ['G_i of layer1.0.bn1: median, 5-95 % band', 'act_outlier_ratio: max/mean input phasor magnitude']
-    >>> ATTENTION.tag("blocks.0.attn", "logit_max")
-    'attention/blocks.0.attn/logit_max'
+    >>> ATTENTION.tag("blocks.0.attn", "logit_max"), ATTENTION.tag("all", "logit_max")
+    ('z-layers/attention/blocks.0.attn/logit_max', 'attention/all/logit_max')
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["ATTENTION", "HOMOGENEITY", "Dashboard", "tensorboard_experiment"]
+__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "Dashboard", "every_layer", "tensorboard_experiment"]
+
+#: the first component of every per-layer tag (after ``val`` in the Time Series' name order)
+LAYERS = "z-layers"
 
 Charts = dict[str, list[Any]]  # chart title -> ["Multiline", [regexes]] | ["Margin", [value, lower, upper]]
 
@@ -38,7 +47,7 @@ class Dashboard:
 
     Attributes:
         category: the category's title.
-        prefix: the first part of every tag (``<prefix>/<layer>/<stat>``).
+        prefix: the monitor's part of every tag (``<prefix>/all/<stat>``, ``z-layers/<prefix>/<layer>/<stat>``).
         charts: ``(title, tag regexes)`` of the multiline charts, in display order.
         band: ``(title with "{layer}", (value, lower, upper) stats)``: one margin chart per layer.
     """
@@ -49,8 +58,11 @@ class Dashboard:
     band: Optional[tuple[str, tuple[str, str, str]]] = None
 
     def tag(self, layer: str, stat: str) -> str:
-        """``<prefix>/<layer>/<stat>``; the root module (name ``""``) is called ``root``."""
-        return f"{self.prefix}/{layer or 'root'}/{stat}"
+        """``<prefix>/all/<stat>`` for ``layer="all"`` (the summary), else ``z-layers/<prefix>/<layer>/<stat>``;
+        the root module (name ``""``) is called ``root``."""
+        if layer == "all":
+            return f"{self.prefix}/all/{stat}"
+        return f"{LAYERS}/{self.prefix}/{layer or 'root'}/{stat}"
 
     def layout(self, layers: Sequence[str]) -> dict[str, Charts]:
         """The layout in ``SummaryWriter.add_custom_scalars`` form, for the given layer names."""
@@ -80,26 +92,40 @@ class Dashboard:
         return True
 
 
+def every_layer(prefix: str, stat: str) -> str:
+    """The regex of ``stat``'s tags over every layer and ``all``.
+
+    Example:
+        >>> import re
+        >>> pattern = every_layer("phasor", "grad_cv")
+        >>> [bool(re.match(pattern, HOMOGENEITY.tag(layer, "grad_cv"))) for layer in ("all", "l1")]
+        [True, True]
+    """
+    return rf"^({LAYERS}/)?{prefix}/.*/{stat}$"
+
+
 def _multiline(prefix: str, charts: Sequence[tuple[str, Sequence[str]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Charts of ``(title, stats)``: each stat's tag regex over every layer and ``all``."""
-    return tuple((title, tuple(rf"^{prefix}/.*/{stat}$" for stat in stats)) for title, stats in charts)
+    return tuple((title, tuple(every_layer(prefix, stat) for stat in stats)) for title, stats in charts)
 
 
 HOMOGENEITY = Dashboard(
     category="Phasor homogeneity",
     prefix="phasor",
     charts=(
-        ("grad_cv: std/mean of G_i (0 = homogeneous)", (r"^phasor/.*/grad_cv$",)),
-        ("starved_frac: share of phasors below threshold x median", (r"^phasor/.*/starved_frac$",)),
+        ("grad_cv: std/mean of G_i (0 = homogeneous)", (every_layer("phasor", "grad_cv"),)),
+        ("starved_frac: share of phasors below threshold x median", (every_layer("phasor", "starved_frac"),)),
         (
             "nonfinite gradient entries and overflow-skipped steps",
-            (r"^phasor/.*/nonfinite$", r"^phasor/all/overflow_skipped$"),
+            (every_layer("phasor", "nonfinite"), r"^phasor/all/overflow_skipped$"),
         ),
-        ("grad_max_ratio: max/median of G_i", (r"^phasor/.*/grad_max_ratio$",)),
-        ("grad_mean: mean G_i (unscaled)", (r"^phasor/.*/grad_mean$",)),
-        ("radial_frac: gradient energy along each phasor's direction", (r"^phasor/.*/radial_frac$",)),
-        ("act_outlier_ratio: max/mean input phasor magnitude", (r"^phasor/.*/act_outlier_ratio$",)),
-        ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", (r"^phasor/.*/wgrad_cv$",)),
+        *_multiline("phasor", (
+            ("grad_max_ratio: max/median of G_i", ("grad_max_ratio",)),
+            ("grad_mean: mean G_i (unscaled)", ("grad_mean",)),
+            ("radial_frac: gradient energy along each phasor's direction", ("radial_frac",)),
+            ("act_outlier_ratio: max/mean input phasor magnitude", ("act_outlier_ratio",)),
+            ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", ("wgrad_cv",)),
+        )),
     ),
     band=("G_i of {layer}: median, 5-95 % band", ("grad_p50", "grad_p05", "grad_p95")),
 )

@@ -19,11 +19,13 @@ recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLU
 Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
 AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.optim`),
 linear warm-up then cosine decay stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
-(``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given,
+(``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given
+(``16-mixed`` on the CPU: float16 autocast with a GradScaler, not Lightning's bfloat16),
 DDP when more than one device, TensorBoard logs under ``--trainer.default_root_dir``
 (``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``,
 ``GradientHomogeneityMonitor`` (``--monitor.*``) and, for models with attention layers,
-``AttentionMonitor`` (``--attention.*``).
+``AttentionMonitor`` (``--attention.*``), and the run's settings and final metrics in TensorBoard's
+HParams dashboard (:class:`recipes.hparams.HParamsSummary`); ``--ckpt_path`` is checked first.
 ``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
 samples whose label is among the top k logits, as papers report them. The data
 (:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
@@ -47,6 +49,7 @@ if not __package__:  # run as a script (`python recipes/cifar100.py`): import th
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -55,9 +58,11 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
-from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
+from recipes.checkpoints import check_checkpoint
+from recipes.classifier import ImageClassifier, ValidateAtEnd, cpu_fp16, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError, report
+from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.models import check_input_size
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "OneLineParser", "build_cli", "main", "run"]
@@ -114,8 +119,18 @@ class CifarCLI(LightningCLI):
         # message from one process; other local ranks (torchrun/SLURM start them all) rely on
         # local rank 0, as Lightning's prepare_data does.
         check_input_size(self.model.model, self.datamodule.image_size)
+        ckpt_path = self.config.get("ckpt_path")
+        if ckpt_path:
+            check_checkpoint(ckpt_path, self.model, self.model.hparams)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
+        plugin = cpu_fp16(self.config_init.get("trainer.precision"), self.config_init.get("trainer.accelerator"))
+        if plugin is not None:  # Lightning would run bfloat16 here
+            kwargs["precision"], kwargs["plugins"] = None, [*(self.config_init.get("trainer.plugins") or []), plugin]
+            rank_zero_info("precision 16-mixed on the CPU: float16 autocast with a GradScaler (torch.amp), as on a GPU")
+        if self.config_init.get("trainer.logger") in (None, True):  # Lightning's default, without hp_metric
+            root = self.config_init.get("trainer.default_root_dir") or os.getcwd()
+            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
@@ -140,7 +155,8 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
             seed_everything_default=0,
             trainer_defaults={
                 "max_epochs": 200,
-                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+                "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
+                              HParamsSummary(CLASSIFIER_SUMMARY)],
             },
             save_config_kwargs={"overwrite": True},
         )

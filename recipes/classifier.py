@@ -31,7 +31,7 @@ from recipes.errors import UsageError
 from recipes.models import build_model, check_qk_norms
 from recipes.optim import build_optimizer, optimizer_options, warmup_cosine
 
-__all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier", "ValidateAtEnd", "default_precision"]
+__all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier", "ValidateAtEnd", "cpu_fp16", "default_precision"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
 #: the ``qk_norm`` values the classifier takes (``none``: no QK-norm added); cf. the library's
@@ -131,7 +131,8 @@ class ImageClassifier(pl.LightningModule):
         # "macro" averages per-class accuracies, and counts classes absent from the batch as 0)
         self.train_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
-        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        # top-5 of 5 classes or fewer is always 100 %: logged only when it can say something
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=5, average="micro") if num_classes > 5 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)  # (N, 3, H, W) -> (N, num_classes)
@@ -146,11 +147,9 @@ class ImageClassifier(pl.LightningModule):
             return
         world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
         global_batch = per_device * world * accumulate
-        rank_zero_info(
+        rank_zero_info(  # and an HParams column (recipes.hparams.HParamsSummary)
             f"global batch {global_batch} = {per_device} per device x {world} processes x {accumulate} accumulation"
         )
-        for logger in self.trainer.loggers:
-            logger.log_metrics({"data/global_batch_size": float(global_batch)}, step=0)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # (N, 3, H, W), (N,)
@@ -166,11 +165,12 @@ class ImageClassifier(pl.LightningModule):
         logits = self(x)  # (N, K)
         loss = F.cross_entropy(logits.float(), y)
         self.val_top1(logits, y)
-        self.val_top5(logits, y)
         # torchmetrics objects sync their state across ranks; the loss needs sync_dist
         self.log("val/loss", loss, sync_dist=True)
         self.log("val/top1", self.val_top1, prog_bar=True)
-        self.log("val/top5", self.val_top5)
+        if self.val_top5 is not None:
+            self.val_top5(logits, y)
+            self.log("val/top5", self.val_top5)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -180,7 +180,9 @@ class ImageClassifier(pl.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # "name": LearningRateMonitor's tag, train/lr (train/lr/<group> for AdamW's two groups), beside train/*
+        schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 class ValidateAtEnd(Callback):
@@ -204,3 +206,19 @@ def default_precision(accelerator: Any) -> str:
         if torch.cuda.is_available():
             return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     return "32-true"
+
+
+def cpu_fp16(precision: Any, accelerator: Any) -> Optional[Any]:
+    """For ``precision="16-mixed"`` on the CPU, the plugin of real float16 autocast with a loss scaler
+    (``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))``); ``None`` otherwise.
+
+    Lightning alone runs ``16-mixed`` on the CPU as bfloat16 (with a warning); a user who asked for
+    16 gets float16, the precision whose overflows the scaler and the monitors are there to show.
+    """
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    on_cpu = name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
+    if str(precision) not in ("16-mixed", "16") or not on_cpu:
+        return None
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))

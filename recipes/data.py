@@ -10,7 +10,8 @@
   359 validation images.
 * ``folder``: your images, torchvision ``ImageFolder`` style: ``DIR/train/<class>/*`` and
   ``DIR/val/<class>/*``, or ``DIR/<class>/*`` split like digits; ``num_classes`` is the number
-  of class folders.
+  of class folders (at least 2). An image file that cannot be read is skipped with a warning
+  naming it (no up-front check: it would open every file before the first step).
 * ``synthetic``: the deterministic CIFAR-100-shaped stand-in of :mod:`recipes.synthetic` (tests).
 
 ``num_classes`` is known after construction; the recipe links it to ``--model.num_classes``.
@@ -38,11 +39,12 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from typing_extensions import override
 
 from recipes.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
@@ -69,17 +71,48 @@ class DatasetUnavailableError(UsageError):
 
 
 class _Transformed(Dataset):
-    """Apply ``transform`` to the image of each ``(image, label)`` pair of ``base``."""
+    """Apply ``transform`` to the image of each ``(image, label)`` pair of ``base``.
+
+    An image file that cannot be read (``OSError``: not an image, truncated) is skipped: a warning
+    names it and counts the skipped files so far (per loader process), and the item is ``None``,
+    which :func:`_collate` drops from its batch.
+    """
 
     def __init__(self, base: Dataset, transform: Callable) -> None:
         self.base, self.transform = base, transform
+        self.skipped: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image, label = self.base[index]
+    def __getitem__(self, index: int) -> Optional[tuple[torch.Tensor, int]]:
+        try:
+            image, label = self.base[index]
+        except OSError as err:  # PIL's UnidentifiedImageError and "image file is truncated" are OSErrors
+            path = _file_of(self.base, index)
+            if path not in self.skipped:
+                self.skipped.add(path)
+                warnings.warn(f"--data.dataset folder: skipped the unreadable image {path} ({err}); "
+                              f"{len(self.skipped)} skipped so far. Remove or replace it.", stacklevel=2)
+            return None
         return self.transform(image), label
+
+
+def _file_of(dataset: Dataset, index: int) -> str:
+    """The file behind item ``index`` of an ``ImageFolder`` or a ``Subset`` of one."""
+    while isinstance(dataset, Subset):
+        dataset, index = dataset.dataset, dataset.indices[index]
+    samples = getattr(dataset, "samples", None)
+    return samples[index][0] if samples is not None else f"item {index}"
+
+
+def _collate(batch: list[Optional[tuple[torch.Tensor, int]]]) -> Any:
+    """``default_collate`` without the items of unreadable images (:class:`_Transformed`)."""
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        raise UsageError(f"--data.dataset folder: none of the {len(batch)} images of a batch could be read (see the "
+                         "warnings naming them): check the image files.")
+    return default_collate(kept)
 
 
 class ImageDataModule(pl.LightningDataModule):
@@ -164,6 +197,9 @@ class ImageDataModule(pl.LightningDataModule):
             else [f"class_{i:03d}" for i in range(100)]
         )
         self.num_classes = len(self.classes)
+        if self.num_classes < 2:
+            raise UsageError(f"--data.root {root!r}: one class folder ({self.classes[0]!r}); a classifier needs at "
+                             "least 2 classes: add a folder of images per class.")
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))
@@ -287,6 +323,7 @@ class ImageDataModule(pl.LightningDataModule):
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
+            collate_fn=_collate,
         )
 
     @override

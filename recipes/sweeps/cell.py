@@ -24,13 +24,14 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from recipes.classifier import ImageClassifier, ValidateAtEnd, default_precision
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError
+from recipes.hparams import FINAL, RunLogger, log_hparams
 from recipes.models import build_model as build_network, input_size
 from recipes.sweeps.series import thin
 from recipes.sweeps.settings import SPLIT_SEED, VAL_FRACTION
@@ -187,7 +188,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
         shutil.rmtree(tb_dir)
-    tb = TensorBoardLogger(save_dir=str(out / "tb"), name=name, version="", default_hp_metric=False)
+    tb = RunLogger(save_dir=str(out / "tb"), name=name, version="")
     memory = MemoryLogger()
     divergence = DivergenceStop()
     limit_val = args.limit_val_batches
@@ -217,7 +218,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
     tops = [v for _, v in val if math.isfinite(v)]
     losses = divergence.losses
     metrics, curves = args.sweep.measure(history)
-    return {
+    record = {
         "cell": name, args.sweep.arm_column: arm, "lr": lr, "batch_size": batch_size, "seed": seed,
         "arch": args.arch, "dataset": args.dataset, "num_classes": dm.num_classes,
         "steps": trainer.global_step,
@@ -232,3 +233,30 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
         "tb_run": str(Path("tb") / name),
         "curves": {"train_loss": thin(losses), "val_top1": [[s, v] for s, v in val], **curves},
     }
+    _log_cell_hparams(args, tb, record, trainer)
+    return record
+
+
+#: the record's values every cell shows in TensorBoard's HParams dashboard (with its kind's metric columns)
+HPARAMS_METRICS = ("final_top1", "best_top1", "final_val_loss", "final_train_loss", "diverged")
+
+
+def _log_cell_hparams(args: argparse.Namespace, tb: Logger, record: dict[str, Any], trainer: pl.Trainer) -> None:
+    """The cell as one HParams session: the grid's axes and the sweep's settings, and the record's metrics
+    (``z-final/<column>``, as ``results.csv`` has them: a diverged cell's final top-1 is chance)."""
+    sweep = args.sweep
+    params = {
+        "sweep": sweep.name, sweep.arm_column: record[sweep.arm_column], "lr": record["lr"],
+        "batch_size": record["batch_size"], "seed": record["seed"], "arch": args.arch, "dataset": args.dataset,
+        "num_classes": record["num_classes"], "epochs": args.epochs, "max_steps": args.max_steps,
+        "precision": str(trainer.precision), "optimizer": sweep.optimizer, "weight_decay": args.weight_decay,
+        "warmup_frac": args.warmup_frac, "schedule": args.schedule, "image_size": args.image_size,
+        "augment": args.augment, "arch_kwargs": arch_kwargs(args),
+    }
+    columns = [*HPARAMS_METRICS, *sweep.metric_columns]
+    metrics = {f"{FINAL}/{c}": _number(record.get(c)) for c in columns}
+    log_hparams([tb], params, metrics, step=trainer.global_step, metric_names=list(metrics))
+
+
+def _number(value: Any) -> Optional[float]:
+    return None if value is None else float(value)  # a bool (diverged) as 0/1

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from helpers.ddp import assert_same_history, read_history, run_job, split_fit
 from helpers.lightning import ManualModule, TinyModule, conv_net, fit, image_data
-from helpers.recording_logger import RecordingLogger
+from helpers.recording_logger import RecordingLogger, monitor_tag
 from helpers.reference import attention_ref, mrs_norm_ref
 from lightning_mrs import expose_attention, swap_norms
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
@@ -109,16 +109,16 @@ def reference(net_fn: Callable[[], nn.Module], pairs: Optional[list[tuple[int, i
 
 
 def attention_tags(rec: RecordingLogger) -> dict[str, dict[int, float]]:
-    return {tag: series for tag, series in rec.history.items() if tag.startswith("attention/")}
+    return {tag: series for tag, series in rec.history.items() if monitor_tag(tag, "attention/")}
 
 
 def check(got: dict[str, dict[int, float]], ref: dict[str, dict[str, float]], step: int = 0, *, norms: bool) -> None:
     for layer, figures in ref.items():
         for stat in FIGURES + (NORM_FIGURES if norms else ()):
             expected = pytest.approx(figures[stat], rel=1e-4, abs=1e-5)
-            assert got[f"attention/{layer}/{stat}"][step] == expected, (layer, stat)
+            assert got[f"z-layers/attention/{layer}/{stat}"][step] == expected, (layer, stat)
         if not norms:
-            assert f"attention/{layer}/q_norm_mean" not in got
+            assert f"z-layers/attention/{layer}/q_norm_mean" not in got
     assert got["attention/all/logit_max"][step] == pytest.approx(max(f["logit_max"] for f in ref.values()), rel=1e-4)
     assert got["attention/all/collapsed_frac"][step] == pytest.approx(max(f["collapsed_frac"] for f in ref.values()))
     assert got["attention/all/entropy_mean"][step] == pytest.approx(
@@ -194,7 +194,7 @@ def test_real_layers_figures_match_their_own_softmax(kind: str) -> None:
            "collapsed_frac": (weights.amax(-1) > 0.99).double().mean().item()}
     assert 0 < ref["collapsed_frac"] < 1
     for stat, value in ref.items():
-        assert got[f"attention/root/{stat}"] == pytest.approx(value, rel=1e-4, abs=1e-5), stat
+        assert got[f"z-layers/attention/root/{stat}"] == pytest.approx(value, rel=1e-4, abs=1e-5), stat
 
 
 @pytest.mark.parametrize("module_cls,interval,kw", [
@@ -210,7 +210,7 @@ def test_logging_steps_line_up_with_train_loss(recording_logger: RecordingLogger
     expected = list(range(interval - 1, 5, interval))
     assert sorted(recording_logger.history["train/loss"]) == expected
     tags = attention_tags(recording_logger)
-    assert {"attention/net.blocks.0.attn/logit_max", "attention/all/entropy_min"} <= tags.keys()
+    assert {"z-layers/attention/net.blocks.0.attn/logit_max", "attention/all/entropy_min"} <= tags.keys()
     assert all(sorted(series) == expected for series in tags.values()), tags
 
 
@@ -340,7 +340,7 @@ def test_layers_it_cannot_see_fully_are_named(recording_logger: RecordingLogger,
         assert not attention_tags(recording_logger)
     else:  # logged, with a warning that the relative position bias is not in the figures
         assert any("relative position bias" in m and "net.features.1.0.attn" in m for m in messages)
-        assert "attention/net.features.1.0.attn/entropy_mean" in attention_tags(recording_logger)
+        assert "z-layers/attention/net.features.1.0.attn/entropy_mean" in attention_tags(recording_logger)
 
 
 def test_tensorboard_layout_shows_both_monitors(tmp_path: Path) -> None:
@@ -352,13 +352,13 @@ def test_tensorboard_layout_shows_both_monitors(tmp_path: Path) -> None:
         callbacks=[GradientHomogeneityMonitor(), AttentionMonitor()])
     acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("attention/net.blocks.1.attn/collapsed_frac")] == [0, 1]
+    assert [e.step for e in acc.Scalars("z-layers/attention/net.blocks.1.attn/collapsed_frac")] == [0, 1]
     last = acc.Tensors("custom_scalars__config__")[-1]  # TensorBoard shows the last layout of a run
     layout = layout_pb2.Layout.FromString(last.tensor_proto.string_val[0])
     categories = {c.title: c for c in layout.category}
     assert categories.keys() == {"Phasor homogeneity", "Attention"}
     tags = [t for c in categories["Attention"].chart for t in c.multiline.tag]
-    assert r"^attention/.*/logit_max$" in tags and r"^attention/.*/k_norm_mean$" in tags
+    assert r"^(z-layers/)?attention/.*/logit_max$" in tags and r"^(z-layers/)?attention/.*/k_norm_mean$" in tags
 
 
 def test_state_dict_round_trip() -> None:
@@ -397,7 +397,7 @@ def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     single = run(devices=1)
     tags = assert_same_history(read_history(out), single, "attention/", STEPS, rel=1e-5, abs=1e-6)
-    assert {"attention/net.blocks.0.attn/entropy_min", "attention/all/logit_max", "attention/all/q_norm_mean"} <= tags
+    assert {"z-layers/attention/net.blocks.0.attn/entropy_min", "attention/all/logit_max", "attention/all/q_norm_mean"} <= tags
     assert all(math.isfinite(value) for tag in tags for value in single[tag].values())
 
 

@@ -43,7 +43,7 @@ def test_ddp_gloo_matches_single_process(tmp_path: Path, strategy: str, single: 
     proc = run_job(Path(__file__).resolve(), strategy, str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     phasor = assert_same_history(read_history(out), single, "phasor/", STEPS, rel=1e-4, abs=1e-9)
-    assert {"phasor/net.1/grad_mean", "phasor/net.4/grad_cv", "phasor/net.9/wgrad_mean", "phasor/all/grad_cv"} <= phasor
+    assert {"z-layers/phasor/net.1/grad_mean", "z-layers/phasor/net.4/grad_cv", "z-layers/phasor/net.9/wgrad_mean", "phasor/all/grad_cv"} <= phasor
 
 
 if __name__ == "__main__":

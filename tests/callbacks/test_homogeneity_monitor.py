@@ -18,6 +18,7 @@ from helpers.lightning import ManualModule, TinyModule, fit, image_data, per_sam
 from helpers.recording_logger import RecordingLogger
 from lightning_mrs import MRSNorm2d
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 
 STATS = ("grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac",
          "radial_frac", "act_outlier_ratio", "nonfinite")
@@ -112,7 +113,7 @@ def autograd_reference(net_fn: Callable[[], nn.Module] = monitored_net, batch_si
 
 
 def value(rec: RecordingLogger, layer: str, stat: str, step: int = 0) -> float:
-    return rec.history[f"phasor/{layer}/{stat}"][step]
+    return rec.history[HOMOGENEITY.tag(layer, stat)][step]
 
 
 @pytest.mark.parametrize("module_cls", [TinyModule, ManualModule])
@@ -136,7 +137,7 @@ def test_all_nonfinite_layer_logs_only_its_count() -> None:
     captured, net = autograd_reference(net_fn)
     x, g = captured["net.1"]
     assert not g.isfinite().any()
-    assert {t for t in rec.history if t.startswith("phasor/net.1/")} == {"phasor/net.1/nonfinite"}
+    assert {t for t in rec.history if t.startswith("z-layers/phasor/net.1/")} == {"z-layers/phasor/net.1/nonfinite"}
     assert value(rec, "net.1", "nonfinite") == g.numel() + net[1].weight.numel()  # input and weight gradients
     ref = {name: reference_figures(x, g, NORMS[name]) for name, (x, g) in captured.items() if name != "net.1"}
     assert value(rec, "all", "layers") == 2.0
@@ -213,7 +214,7 @@ def test_hooks_only_on_logging_steps() -> None:
 
 def test_trainer_interval_is_the_default() -> None:
     rec = record(steps=4, log_every_n_steps=2)
-    assert sorted(rec.history["phasor/net.5/grad_cv"]) == sorted(rec.history["train/loss"]) == [1, 3]
+    assert sorted(rec.history["z-layers/phasor/net.5/grad_cv"]) == sorted(rec.history["train/loss"]) == [1, 3]
 
 
 def fp16_plugin(**scaler_kw: Any) -> MixedPrecision:
@@ -235,7 +236,7 @@ def test_mixed_precision_matches_fp32(precision: str) -> None:
                     continue
                 assert value(mixed, layer, stat, step) == pytest.approx(value(fp32, layer, stat, step), rel=rtol)
             assert value(mixed, layer, "grad_cv", step) == pytest.approx(value(fp32, layer, "grad_cv", step), abs=0.02)
-        assert mixed.history[f"phasor/{layer}/nonfinite"] == {0: 0.0, 1: 0.0, 2: 0.0}
+        assert mixed.history[HOMOGENEITY.tag(layer, "nonfinite")] == {0: 0.0, 1: 0.0, 2: 0.0}
     wtol = 0.05 if precision.startswith("16") else 0.15  # a sum with cancellations: bf16 has 8 bits
     for step in range(3):  # the MRS weight gradient too (Lightning unscales it before the hook)
         assert value(mixed, "net.1", "wgrad_mean", step) == pytest.approx(value(fp32, "net.1", "wgrad_mean", step), rel=wtol)
@@ -287,7 +288,7 @@ def test_gradient_accumulation_sums_micro_batches() -> None:
     whole = record(per_sample_net, steps=2, batch_size=8)
     accumulated = record(per_sample_net, steps=2, batch_size=4, accumulate_grad_batches=2)
     assert whole.steps("phasor/") == accumulated.steps("phasor/")
-    assert whole.steps("phasor/")["phasor/net.1/grad_mean"] == [0, 1]
+    assert whole.steps("phasor/")["z-layers/phasor/net.1/grad_mean"] == [0, 1]
     for tag, steps in whole.steps("phasor/").items():
         for step in steps:
             v = whole.history[tag][step]
@@ -306,11 +307,11 @@ def test_tensorboard_and_csv_loggers(tmp_path) -> None:
     tags = acc.Tags()
     for layer in [*NORMS, "all"]:
         for stat in ("grad_mean", "grad_cv", "starved_frac", "nonfinite"):
-            events = acc.Scalars(f"phasor/{layer}/{stat}")
+            events = acc.Scalars(HOMOGENEITY.tag(layer, stat))
             assert [e.step for e in events] == [0, 1, 2]
             assert all(math.isfinite(e.value) for e in events)
     for layer in NORMS:
-        hist = acc.Histograms(f"phasor/{layer}/G")
+        hist = acc.Histograms(HOMOGENEITY.tag(layer, "G"))
         assert [h.step for h in hist] == [0, 2]  # every 2nd log
         assert all(math.isfinite(h.histogram_value.sum) for h in hist)
     assert tags["tensors"] == ["custom_scalars__config__"]
@@ -322,17 +323,17 @@ def test_tensorboard_and_csv_loggers(tmp_path) -> None:
     assert len(margins) == 3
     series = margins["G_i of net.5: median, 5-95 % band"]
     assert (series.value, series.lower, series.upper) == (
-        "phasor/net.5/grad_p50", "phasor/net.5/grad_p05", "phasor/net.5/grad_p95")
+        "z-layers/phasor/net.5/grad_p50", "z-layers/phasor/net.5/grad_p05", "z-layers/phasor/net.5/grad_p95")
     multiline = [t for c in category.chart if c.HasField("multiline") for t in c.multiline.tag]
-    assert r"^phasor/.*/grad_cv$" in multiline and r"^phasor/.*/starved_frac$" in multiline
-    assert r"^phasor/.*/nonfinite$" in multiline
+    assert r"^(z-layers/)?phasor/.*/grad_cv$" in multiline and r"^(z-layers/)?phasor/.*/starved_frac$" in multiline
+    assert r"^(z-layers/)?phasor/.*/nonfinite$" in multiline
     # other loggers get the scalars through log_metrics
     import csv as csv_mod
 
     with open(f"{csv.log_dir}/metrics.csv") as f:
-        rows = [r for r in csv_mod.DictReader(f) if r["phasor/net.1/grad_cv"]]  # not self.log's rows
-    assert [float(r["phasor/net.1/grad_cv"]) for r in rows] == pytest.approx(
-        [e.value for e in acc.Scalars("phasor/net.1/grad_cv")], rel=1e-6)
+        rows = [r for r in csv_mod.DictReader(f) if r["z-layers/phasor/net.1/grad_cv"]]  # not self.log's rows
+    assert [float(r["z-layers/phasor/net.1/grad_cv"]) for r in rows] == pytest.approx(
+        [e.value for e in acc.Scalars("z-layers/phasor/net.1/grad_cv")], rel=1e-6)
 
 
 def test_include_filter_and_odd_layers_are_reported() -> None:
@@ -342,9 +343,9 @@ def test_include_filter_and_odd_layers_are_reported() -> None:
 
     with pytest.warns(UserWarning, match=r"not monitoring these norm layers: net\.1 \(BatchNorm2d: 7 channels"):
         rec = record(net, steps=1)
-    assert "phasor/net.3/grad_cv" in rec.history and not any("net.1/" in t for t in rec.history)
+    assert "z-layers/phasor/net.3/grad_cv" in rec.history and not any("net.1/" in t for t in rec.history)
     rec = record(steps=1, monitor=GradientHomogeneityMonitor(include=r"\.(1|10)$"))
-    assert {t.split("/")[1] for t in rec.steps("phasor/")} == {"net.1", "net.10", "all"}
+    assert {t.split("/")[-2] for t in rec.steps("phasor/")} == {"net.1", "net.10", "all"}
 
 
 def test_state_dict_round_trip() -> None:

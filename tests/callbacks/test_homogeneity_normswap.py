@@ -15,6 +15,7 @@ from torch import nn
 
 from helpers.lightning import fit, image_data
 from lightning_mrs.callbacks import GradientHomogeneityMonitor, NormSwap
+from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.swap.registry import iter_norm_layers
 
 KEY_STATS = ("grad_mean", "grad_cv", "starved_frac", "nonfinite")
@@ -68,10 +69,10 @@ def check_run(module: pl.LightningModule, acc: Any, kinds: set[str]) -> list[str
     tags = set(acc.Tags()["scalars"])
     for layer in [name for name, _ in layers] + ["all"]:
         for stat in KEY_STATS:
-            events = acc.Scalars(f"phasor/{layer}/{stat}")
+            events = acc.Scalars(HOMOGENEITY.tag(layer, stat))
             assert [e.step for e in events] == [0, 1, 2, 3], (layer, stat)
             assert all(math.isfinite(e.value) for e in events), (layer, stat)
-    assert {f"phasor/{name}/grad_p50" for name, _ in layers} <= tags
+    assert {HOMOGENEITY.tag(name, "grad_p50") for name, _ in layers} <= tags
     assert acc.Tags()["tensors"] == ["custom_scalars__config__"]
     return [name for name, _ in layers]
 
@@ -81,7 +82,7 @@ def test_normswap_then_monitor(tmp_path: Path) -> None:
     names = check_run(module, acc, {"mrs"})
     assert names == ["net.1", "net.4", "net.9"]
     for name in ("net.1", "net.4", "net.9"):  # MRS layers also report their weight gradient
-        assert all(math.isfinite(e.value) for e in acc.Scalars(f"phasor/{name}/wgrad_cv"))
+        assert all(math.isfinite(e.value) for e in acc.Scalars(HOMOGENEITY.tag(name, "wgrad_cv")))
 
 
 def test_monitor_without_swap_watches_batchnorm_and_layernorm(tmp_path: Path) -> None:
@@ -95,8 +96,8 @@ def test_normswap_fp16_gradscaler_grad_mean_matches_fp32(tmp_path: Path) -> None
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     _, fp16 = run(tmp_path / "fp16", small_net, swap=True, plugins=[plugin])
     for layer in ("net.1", "net.4", "net.9", "all"):
-        ref = [e.value for e in fp32.Scalars(f"phasor/{layer}/grad_mean")]
-        got = [e.value for e in fp16.Scalars(f"phasor/{layer}/grad_mean")]
+        ref = [e.value for e in fp32.Scalars(HOMOGENEITY.tag(layer, "grad_mean"))]
+        got = [e.value for e in fp16.Scalars(HOMOGENEITY.tag(layer, "grad_mean"))]
         assert got == pytest.approx(ref, rel=0.05), layer
 
 

@@ -21,7 +21,7 @@ def assert_aligned(rec: RecordingLogger, expected: list[int]) -> None:
     """``train/loss`` (Lightning) and every phasor/* tag (the monitor) at exactly ``expected``."""
     assert sorted(rec.history["train/loss"]) == expected
     steps = rec.steps("phasor/")
-    assert {"phasor/net.1/grad_cv", "phasor/net.5/grad_cv", "phasor/all/grad_cv"} <= steps.keys()
+    assert {"z-layers/phasor/net.1/grad_cv", "z-layers/phasor/net.5/grad_cv", "phasor/all/grad_cv"} <= steps.keys()
     assert all(s == expected for s in steps.values()), steps
 
 

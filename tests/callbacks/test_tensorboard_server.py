@@ -1,26 +1,17 @@
-"""A real ``tensorboard`` server on 127.0.0.1 serves the monitor's tags and dashboard layout."""
+"""A real ``tensorboard`` server on 127.0.0.1 serves the monitor's tags, its dashboard layout, and the
+Time Series groups in the order a user reads them (summaries, ``train``, ``val``, then per-layer)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
-import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from helpers.ddp import free_port
 from helpers.lightning import fit, image_data
+from helpers.tensorboard import compare_tags, get_json, tensorboard_server, time_series_groups
 from lightning_mrs import MRSNorm2d
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
-
-START_TIMEOUT_S = 90
 
 
 def net() -> nn.Sequential:
@@ -30,52 +21,48 @@ def net() -> nn.Sequential:
     )
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - localhost only
-        return json.loads(response.read().decode())
+def test_tag_order_is_tensorboards() -> None:
+    # the cases of tensorboard/webapp/metrics/utils_test.ts: numbers by value, "/" before other characters
+    assert compare_tags("a2b", "a10b") == -1 and compare_tags("a/a", "a+/a") == -1
+    assert compare_tags("val/top1", "z-layers/phasor/net.1/grad_cv") == -1
+    assert [g for g, _ in time_series_groups(["val/top1", "phasor/all/x", "train/loss", "z-layers/phasor/l/x"])] == [
+        "phasor", "train", "val", "z-layers"]
+
+
+def _has(tag: str):
+    def ready(base: str) -> bool:
+        return any(tag in tags for tags in get_json(f"{base}/data/plugin/scalars/tags").values())
+    return ready
 
 
 def test_tensorboard_server_serves_tags_and_layout(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="run")
     fit(net, steps=2, logger=logger, data=image_data(16, (6, 6)), callbacks=[GradientHomogeneityMonitor()])
 
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
-         "--port", str(port), "--reload_interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}/data/plugin"
-    try:
-        deadline, scalars = time.monotonic() + START_TIMEOUT_S, {}
-        while time.monotonic() < deadline:
-            assert server.poll() is None, f"tensorboard exited: {server.stderr.read().decode()[-2000:]}"
-            try:
-                scalars = _get_json(f"{base}/scalars/tags")
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                scalars = {}
-            if any("phasor/all/grad_cv" in tags for tags in scalars.values()):
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"tensorboard did not serve the tags within {START_TIMEOUT_S} s: {scalars}")
+    with tensorboard_server(tmp_path, _has("phasor/all/grad_cv")) as base:
+        scalars = get_json(f"{base}/data/plugin/scalars/tags")
         (run,) = [r for r, tags in scalars.items() if "phasor/all/grad_cv" in tags]
-        for layer in ("net.1", "net.4", "all"):
-            for stat in ("grad_mean", "grad_cv", "starved_frac", "nonfinite"):
-                assert f"phasor/{layer}/{stat}" in scalars[run]
-        points = _get_json(f"{base}/scalars/scalars?run={run}&tag=phasor/net.1/grad_cv")
+        for stat in ("grad_mean", "grad_cv", "starved_frac", "nonfinite"):
+            assert f"phasor/all/{stat}" in scalars[run]
+            for layer in ("net.1", "net.4"):
+                assert f"z-layers/phasor/{layer}/{stat}" in scalars[run]
+        points = get_json(f"{base}/data/plugin/scalars/scalars?run={run}&tag=z-layers/phasor/net.1/grad_cv")
         assert [p[1] for p in points] == [0, 1]  # [wall_time, step, value]
-        layout = _get_json(f"{base}/custom_scalars/layout")
+        layout = get_json(f"{base}/data/plugin/custom_scalars/layout")
         (category,) = layout["category"]
         assert category["title"] == "Phasor homogeneity"
         margins = [c["margin"]["series"][0] for c in category["chart"] if "margin" in c]
-        assert {"value": "phasor/net.4/grad_p50", "lower": "phasor/net.4/grad_p05",
-                "upper": "phasor/net.4/grad_p95"} in margins
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=15)
-        server.stderr.close()
+        assert {"value": "z-layers/phasor/net.4/grad_p50", "lower": "z-layers/phasor/net.4/grad_p05",
+                "upper": "z-layers/phasor/net.4/grad_p95"} in margins
+        multiline = {c["title"]: c["multiline"]["tag"] for c in category["chart"] if "multiline" in c}
+        assert multiline["grad_cv: std/mean of G_i (0 = homogeneous)"] == [r"^(z-layers/)?phasor/.*/grad_cv$"]
+
+        # Time Series: the summaries (and Lightning's epoch: a plain TensorBoardLogger), train/*, then every
+        # per-layer card, histograms too, in one group at the end
+        series = get_json(f"{base}/data/plugin/timeseries/tags")
+        tags = [t for tags in series["scalars"]["runTagInfo"].values() for t in tags]
+        tags += [t for tags in series["histograms"]["runTagInfo"].values() for t in tags]
+        groups = dict(time_series_groups(tags))
+        assert list(groups) == ["epoch", "phasor", "train", "z-layers"], groups
+        assert all(t.startswith("phasor/all/") for t in groups["phasor"])
+        assert "z-layers/phasor/net.1/G" in groups["z-layers"]

@@ -25,7 +25,7 @@ from torch.utils.data import Sampler, TensorDataset
 
 from helpers import ROOT
 from helpers.lightning import fit
-from helpers.recording_logger import RecordingLogger
+from helpers.recording_logger import RecordingLogger, monitor_tag
 
 __all__ = ["DumpHistory", "RankStride", "assert_same_history", "free_port", "read_history", "run_job", "split_fit"]
 
@@ -102,8 +102,8 @@ def read_history(path: Path) -> History:
 def assert_same_history(ddp: History, single: History, prefix: str, steps: int, rel: float, abs: float) -> set[str]:
     """The tags under ``prefix`` are the same in both, logged at steps ``0 .. steps-1`` (as
     ``train/loss``) by the job, with the single process's values; returns those tags."""
-    tags = {tag for tag in single if tag.startswith(prefix)}
-    assert {tag for tag in ddp if tag.startswith(prefix)} == tags
+    tags = {tag for tag in single if monitor_tag(tag, prefix)}
+    assert {tag for tag in ddp if monitor_tag(tag, prefix)} == tags
     for tag in tags:
         assert ddp[tag].keys() == ddp["train/loss"].keys() == set(range(steps)), tag
         for step, value in single[tag].items():

@@ -8,6 +8,13 @@ from typing import Any, Optional
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from lightning_mrs.callbacks.tb_layout import LAYERS
+
+
+def monitor_tag(tag: str, prefix: str) -> bool:
+    """Whether ``tag`` starts with ``prefix`` or is a per-layer tag of that monitor (``z-layers/<prefix>``)."""
+    return tag.startswith(prefix) or tag.startswith(f"{LAYERS}/{prefix}")
+
 
 class RecordingLogger(Logger):
     """Keeps every logged value: ``history[tag][step] = value``."""
@@ -25,8 +32,9 @@ class RecordingLogger(Logger):
         return 0
 
     def steps(self, prefix: str) -> dict[str, list[int]]:
-        """The steps each tag under ``prefix`` was logged at, ascending."""
-        return {tag: sorted(series) for tag, series in self.history.items() if tag.startswith(prefix)}
+        """The steps each tag under ``prefix`` (a monitor's ``phasor/``: its summary and per-layer tags,
+        :func:`monitor_tag`) was logged at, ascending."""
+        return {tag: sorted(series) for tag, series in self.history.items() if monitor_tag(tag, prefix)}
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from helpers import ROOT
 from helpers.scripts import run_script
+from helpers.tensorboard import event_scalars, session_start
 from recipes.classifier import ImageClassifier, default_precision
 from recipes.models import build_model
 from recipes.errors import UsageError
@@ -26,14 +27,6 @@ FAST = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--d
 
 
 _run = partial(run_script, SCRIPT, timeout=300)
-
-
-def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
@@ -50,16 +43,25 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     assert "precision: 32-true" in (run / "config.yaml").read_text()  # the CPU default, chosen in code
     assert "global batch 16 = 16 per device x 1 processes" in proc.stdout + proc.stderr
 
-    scalars = _scalars(run)
+    scalars = event_scalars(run)
     # validation ran (once) although max_steps ended the run inside the first epoch; Lightning
     # logs it at the index of the last training batch (steps - 1)
     assert [s for s, _ in scalars["val/top1"]] == [steps - 1]
     assert 0.0 <= scalars["val/top1"][0][1] <= 1.0
-    for tag in ("train/loss", "val/loss", "val/top5", "data/global_batch_size"):
+    for tag in ("train/loss", "train/epoch", "val/loss", "val/top5"):
         assert tag in scalars, sorted(scalars)
     assert any(t.startswith("phasor/all/") for t in scalars), sorted(scalars)
+    assert "hp_metric" not in scalars and "epoch" not in scalars
+    # the HParams session: the final metrics (z-final/*, at the last step) and the settings
+    assert scalars["z-final/top1"] == scalars["z-final/best_top1"] == [(steps, scalars["val/top1"][-1][1])]
+    assert scalars["z-final/val_loss"] == [(steps, scalars["val/loss"][-1][1])]
+    assert scalars["z-final/diverged"] == [(steps, 0.0)] and "z-final/max_logit" not in scalars  # no attention
+    start = session_start(run)
+    assert start["norm"].string_value == "mrs" and start["lr"].number_value == lr
+    assert start["global_batch_size"].number_value == 16 and start["seed"].number_value == 0
+    assert start["precision"].string_value == "32-true" and start["dataset"].string_value == "synthetic"
     # per-step cosine schedule, no warm-up: lr_k = lr/2 (1 + cos(pi k / steps)) (independent formula)
-    lrs = [v for _, v in sorted(scalars["lr-SGD"])]
+    lrs = [v for _, v in sorted(scalars["train/lr"])]
     expected = [lr * 0.5 * (1 + math.cos(math.pi * k / steps)) for k in range(steps)]
     torch.testing.assert_close(torch.tensor(lrs[:steps], dtype=torch.float64),
                                torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=1e-5)
@@ -103,7 +105,7 @@ def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     assert "distributed_backend=gloo" in out
     ckpts = list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
     assert len(ckpts) == 2, ckpts  # last + best, written once (rank zero)
-    scalars = _scalars(tmp_path / "lightning_logs" / "version_0")
+    scalars = event_scalars(tmp_path / "lightning_logs" / "version_0")
     assert [s for s, _ in scalars["val/top1"]] == [1]
 
 

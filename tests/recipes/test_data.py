@@ -13,6 +13,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from helpers.images import write_images
 from recipes.cifar100 import CifarCLI
 from recipes.classifier import ImageClassifier
 from recipes.data import ImageDataModule
@@ -37,14 +38,6 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-
-
-def _write_images(folder: Path, n: int, size: tuple[int, int] = (20, 12), colour: int = 0) -> None:
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        Image.new("RGB", size, (colour, 10 * i, 255 - colour)).save(folder / f"img{i}.png")
 
 
 # ------------------------------------------------------------------ digits
@@ -150,7 +143,7 @@ def test_image_size_applies_to_every_dataset(dataset: str) -> None:
 
 def test_batch_larger_than_the_data_is_named(tmp_path: Path) -> None:
     for c in range(2):
-        _write_images(tmp_path / f"c{c}", 3)
+        write_images(tmp_path / f"c{c}", 3)
     dm = ImageDataModule(dataset="folder", root=str(tmp_path), batch_size=8, val_fraction=0.34)
     with pytest.raises(UsageError, match="--data.batch_size 8 is larger than the 4 training images"):
         dm.setup("fit")
@@ -166,7 +159,7 @@ def test_sklearn_missing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_folder_train_val_layout(tmp_path: Path, offline: None) -> None:
     for split, n in (("train", 3), ("val", 2)):
         for c, name in enumerate(["cat", "dog", "zebra 2"]):
-            _write_images(tmp_path / split / name, n, colour=80 * c)
+            write_images(tmp_path / split / name, n, colour=80 * c)
     (tmp_path / "train" / ".cache").mkdir()  # hidden folders are not classes
     dm = ImageDataModule(dataset="folder", root=str(tmp_path), batch_size=2, image_size=16)
     assert dm.num_classes == 3 and dm.classes == ["cat", "dog", "zebra 2"]
@@ -183,7 +176,7 @@ def test_folder_train_val_layout(tmp_path: Path, offline: None) -> None:
 
 def test_folder_single_directory_is_split(tmp_path: Path) -> None:
     for c in range(3):
-        _write_images(tmp_path / f"c{c}", 5)
+        write_images(tmp_path / f"c{c}", 5)
     dm = ImageDataModule(dataset="folder", root=str(tmp_path), val_fraction=0.4, split_seed=7, image_size=8,
                          batch_size=2)
     assert dm.num_classes == 3
@@ -200,7 +193,7 @@ def test_folder_single_directory_is_split(tmp_path: Path) -> None:
 def test_head_is_sized_to_the_data(dataset: str, classes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["cifar100.py"])  # pytest's own arguments are not the CLI's
     for c in range(4):
-        _write_images(tmp_path / f"k{c}", 2)
+        write_images(tmp_path / f"k{c}", 2)
     cli = CifarCLI(ImageClassifier, ImageDataModule, run=False, args=[
         "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--model.arch", "timm:test_resnet",
         "--data.dataset", dataset, "--data.root", str(tmp_path), "--trainer.default_root_dir", str(tmp_path / "r")])
@@ -214,12 +207,12 @@ def test_bad_folder_is_one_line(layout: str, tmp_path: Path, recipe_error: Calla
     if layout != "missing":
         root.mkdir()
     if layout in ("class missing from val", "no val"):
-        _write_images(root / "train" / "a", 1)
-        _write_images(root / "train" / "b", 1)
+        write_images(root / "train" / "a", 1)
+        write_images(root / "train" / "b", 1)
     if layout == "class missing from val":
-        _write_images(root / "val" / "a", 1)
+        write_images(root / "val" / "a", 1)
     if layout == "empty class":
-        _write_images(root / "a", 2)
+        write_images(root / "a", 2)
         (root / "b").mkdir()
         (root / "b" / "notes.txt").write_text("not an image")
     line = recipe_error(["--data.dataset", "folder", "--data.root", str(root), "--trainer.accelerator", "cpu",

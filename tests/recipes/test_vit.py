@@ -179,8 +179,10 @@ def test_vit_digits_config_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert all(0 < v < 1e3 for _, v in scalars["attention/all/logit_max"])
     entropy_bound = math.log(VIT_DIGITS["img_size"] ** 2 // VIT_DIGITS["patch_size"] ** 2 + 1)  # uniform over keys
     assert all(0 <= v <= entropy_bound + 1e-4 for _, v in scalars["attention/all/entropy_min"])
-    assert "attention/model.blocks.3.attn/q_norm_mean" in scalars  # MRS QK-norms in all 4 blocks
-    assert {"lr-AdamW/decay", "lr-AdamW/no_decay", "val/top1"} <= set(scalars)
+    assert "z-layers/attention/model.blocks.3.attn/q_norm_mean" in scalars  # MRS QK-norms in all 4 blocks
+    assert {"train/lr/decay", "train/lr/no_decay", "val/top1"} <= set(scalars)
+    # the HParams session's attention-logit maximum is the largest logged
+    assert scalars["z-final/max_logit"] == [(4, max(v for _, v in scalars["attention/all/logit_max"]))]
 
 
 def test_attention_monitor_only_for_models_with_attention(tmp_path: Path,
