@@ -26,13 +26,13 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from typing_extensions import override
 
 from lightning_mrs.swap.attention import expose_attention
 from recipes.classifier import ValidateAtEnd
 from recipes.errors import UsageError
+from recipes.hparams import FINAL, RunLogger, log_hparams
 from recipes.lm import ByteLM, cpu_fp16
 from recipes.sweeps.cell import DivergenceStop, MemoryLogger, fit
 from recipes.sweeps.lm import VALIDATIONS
@@ -160,7 +160,7 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
     tb_dir = out / "tb" / name
     if tb_dir.exists():  # a cell interrupted earlier: start its run afresh
         shutil.rmtree(tb_dir)
-    tb = TensorBoardLogger(save_dir=str(out / "tb"), name=name, version="", default_hp_metric=False)
+    tb = RunLogger(save_dir=str(out / "tb"), name=name, version="")
     memory, divergence, scaler = MemoryLogger(), DivergenceStop(), ScalerLog()
     steps = args.max_steps
     trainer = pl.Trainer(
@@ -182,7 +182,7 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
     finite = [min(v, DIVERGED_BPB) for _, v in val if math.isfinite(v)]
     losses = divergence.losses
     metrics, curves = args.sweep.measure(history)
-    return {
+    record = {
         "cell": name, args.sweep.arm_column: arm, "lr": lr, "batch_size": batch_size, "seed": seed,
         "arch": args.arch, "dataset": args.dataset, "precision": setting["precision"],
         "steps": trainer.global_step, "planned_steps": steps,
@@ -198,3 +198,23 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         "curves": {"train_loss": thin(losses), "val_bpb": [[s, v] for s, v in val], "loss_scale": thin(scaler.scales),
                    **curves},
     }
+    _log_cell_hparams(args, tb, record, setting["precision"])
+    return record
+
+
+#: the record's values every language-model cell shows in TensorBoard's HParams dashboard (with the kind's columns)
+HPARAMS_METRICS = ("final_val_loss", "final_train_loss", "diverged")
+
+
+def _log_cell_hparams(args: argparse.Namespace, tb: RunLogger, record: dict[str, Any], precision: str) -> None:
+    """The cell as one HParams session: the grid's axes and settings, the record's metrics (``z-final/<column>``,
+    as ``results.csv`` has them: a diverged cell's final bpb is 8)."""
+    sweep, d = args.sweep, args.sweep.datasets[args.dataset]
+    params = {"sweep": sweep.name, sweep.arm_column: record[sweep.arm_column], "lr": record["lr"],
+              "batch_size": record["batch_size"], "seed": record["seed"], "arch": args.arch, "dataset": args.dataset,
+              "max_steps": args.max_steps, "precision": precision, "optimizer": sweep.optimizer,
+              "weight_decay": args.weight_decay, "warmup_frac": args.warmup_frac, "schedule": args.schedule,
+              "seq_len": d["seq_len"], "arch_kwargs": args.arch_kwargs or {}}
+    metrics = {f"{FINAL}/{c}": None if record.get(c) is None else float(record[c])
+               for c in (*sweep.metric_columns, *HPARAMS_METRICS)}
+    log_hparams([tb], params, metrics, step=record["steps"], metric_names=list(metrics))

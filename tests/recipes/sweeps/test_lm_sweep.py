@@ -12,6 +12,7 @@ from typing import Callable
 import pytest
 
 from helpers.scripts import results_rows
+from helpers.tensorboard import event_scalars, session_start
 from recipes.stress import parse_args
 from recipes.sweeps.lm import HEAD, LM, METRICS
 from recipes.sweeps.lmqk import LM_QK, figure as qk_figure
@@ -54,6 +55,11 @@ def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: P
         assert math.isfinite(float(r["mean_grad_cv"])) and 0 <= float(r["mean_starved_frac"]) <= 1
         assert float(r["max_logit"]) > 0  # the Llama's attention, exposed for the AttentionMonitor
         record = json.loads((out / "cells" / f"lm-{arm}_lr0.01_bs16_seed0.json").read_text())
+        hparams = session_start(out / r["tb_run"])  # the cell in TensorBoard's HParams dashboard
+        assert hparams["arm"].string_value == arm and hparams["precision"].string_value == record["precision"]
+        assert hparams["lr"].number_value == 0.01 and hparams["seq_len"].number_value == 64
+        scalars = event_scalars(out / r["tb_run"])
+        assert scalars["z-final/final_bpb"] == [(4, pytest.approx(float(r["final_bpb"]), rel=1e-5))]
         assert record["precision"] == {"fp16": "16-mixed", "bf16": "bf16-mixed", "fp32": "32-true"}[arm.split("-")[1]]
         if arm.endswith("fp16"):  # a real loss scaler: its bookkeeping (no growth within 2000 steps)
             assert float(r["scaler_final_scale"]) == 65536.0 / 2 ** int(r["scaler_skipped"])
