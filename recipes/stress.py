@@ -1,8 +1,10 @@
 """The stress sweeps: arms x learning rates x batch sizes x seeds, with computed verdicts.
 
-Two sweep kinds share the runner (:mod:`recipes.sweeps`: one module per kind, ``norm.py`` and ``qk.py``): ``--sweep norm`` (the default, the
-paper's) varies the body norm of a ResNet; ``--sweep qk`` (after Wortsman et al. 2023, arXiv
-2309.14322) varies the QK-norm of a small ViT whose LayerNorms stay. Run from the repository root:
+Four sweep kinds share the runner (:mod:`recipes.sweeps`: one module per kind, ``norm.py``, ``qk.py``,
+``lm.py``, ``lmqk.py``): ``--sweep norm`` (the default, the paper's) varies the body norm of a ResNet;
+``--sweep qk`` (after Wortsman et al. 2023, arXiv 2309.14322) varies the QK-norm of a small ViT whose
+LayerNorms stay; ``--sweep lm`` varies the body norm and the mixed precision of the byte-level Llama of
+``recipes/lm.py``; ``--sweep lm-qk`` its QK-norm. Run from the repository root:
 
     # offline, on a CPU: scikit-learn's handwritten digits, the defaults for that data
     # (norms layer rms mrs batch; lrs 0.03 0.1 0.3 0.4 1 3; batch sizes 32 64 128; seeds 0 1 2;
@@ -18,6 +20,14 @@ paper's) varies the body norm of a ResNet; ``--sweep qk`` (after Wortsman et al.
     python recipes/stress.py --sweep qk --dataset digits
     # on CIFAR-100 (a GPU; ViT-Lite-7/4)
     python recipes/stress.py --sweep qk --dataset cifar100 --epochs 50
+    # the language-model sweeps, offline on a CPU, on the standard library's sources (stdlib):
+    # arms rms/mrs/layer in fp16 (with a loss scaler) and bf16, plus rms/mrs in fp32 at the smallest and
+    # largest lr; lrs 0.001 0.01 0.1 1; batch 16 windows of 64 bytes; seeds 0 1 2; 100 AdamW steps of a
+    # 2-layer, 32-wide Llama; no warm-up; --quick: one seed, lrs 0.01 1, 40 steps
+    python recipes/stress.py --sweep lm --jobs 2
+    # QK-norms none layer rms mrs of the same Llama (its RMSNorms stay), bf16; lrs 0.001 0.003 0.01 0.03
+    # 0.1 0.3 1; your own text: --dataset text --root FILE_OR_DIR
+    python recipes/stress.py --sweep lm-qk --jobs 2
     # on your own images (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/*), any recipe model
     python recipes/stress.py --dataset folder --root DIR --epochs 30 --arch resnet50 --image-size 64
 
@@ -29,7 +39,13 @@ there on) and the mean ``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of
 ``GradientHomogeneityMonitor``; a ``qk`` cell also the largest ``attention/all/logit_max``, the
 smallest ``attention/all/entropy_min`` and the largest ``attention/all/collapsed_frac`` of
 ``AttentionMonitor`` over training.
-Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``):
+An ``lm``/``lm-qk`` cell trains ``recipes/lm.py``'s ``ByteLM`` (:mod:`recipes.sweeps.lm_cell`) and records
+the final and best validation bits per byte (a diverged cell counts as 8 bits per byte), the first
+non-finite loss step, the loss scaler's skipped steps and final scale (fp16), the OutlierMonitor's
+worst absmax, denominator shares and fp16_overflow_frac, grad_cv and starved_frac, and the largest
+attention logit.
+Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``,
+``runs/stress_lm_<dataset>``, ``runs/stress_lm_qk_<dataset>``):
 
 - ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record.
   A rerun with the same ``--out`` skips these cells, so an interrupted sweep loses only the

@@ -37,7 +37,7 @@ from recipes.models import build_model as build_network, input_size
 from recipes.sweeps.series import thin
 from recipes.sweeps.settings import SPLIT_SEED, VAL_FRACTION
 
-__all__ = ["DivergenceStop", "MemoryLogger", "arch_kwargs", "build_model", "counted_top1", "datamodule", "run_cell"]
+__all__ = ["DivergenceStop", "MemoryLogger", "arch_kwargs", "build_model", "counted_top1", "datamodule", "fit", "run_cell"]
 
 
 class MemoryLogger(Logger):
@@ -161,7 +161,7 @@ def counted_top1(val: list[tuple[int, float]], divergence_step: Optional[int],
     return [(s, v) for s, v in val if s < divergence_step] + [(divergence_step, chance)]
 
 
-def _fit(trainer: pl.Trainer, model: ImageClassifier, dm: ImageDataModule) -> None:
+def fit(trainer: pl.Trainer, model: pl.LightningModule, dm: pl.LightningDataModule) -> None:
     """``trainer.fit``, with Ctrl-C raised as ``KeyboardInterrupt`` (Lightning turns it into ``exit(1)``)."""
     handler = signal.getsignal(signal.SIGINT)
     try:
@@ -211,7 +211,7 @@ def run_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr: fl
         enable_progress_bar=args.progress,
         default_root_dir=str(out),
     )
-    _fit(trainer, model, dm)
+    fit(trainer, model, dm)
 
     diverged_at = divergence.divergence_step
     history = memory.history

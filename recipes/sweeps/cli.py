@@ -24,7 +24,7 @@ __all__ = ["AXES", "PER_DATASET", "in_sweep_terms", "parse_args", "usable_cpus"]
 
 AXES = ("lrs", "batch_sizes", "seeds")
 PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")
-DATASETS = ("digits", "cifar100", "folder", "synthetic")
+DATASETS = ("digits", "cifar100", "folder", "synthetic", "stdlib", "text")
 # the recipe's (recipes/cifar100.py) option names, as the sweep calls them
 _RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.arch", "--arch"),
                  ("--data.image_size", "--image-size"), ("--data.batch_size", "--batch-sizes"),
@@ -79,7 +79,12 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
 
     def per_dataset(key: str, show: Callable[[Any], str] = repr) -> str:
         def one(kind: Sweep) -> str:
-            return "; ".join(f"{name} {'required' if d[key] is None and key == 'epochs' else show(d[key])}"
+            def value(d: Mapping[str, Any]) -> str:
+                if key == "epochs" and d.get("max_steps"):
+                    return f"none (--max-steps {d['max_steps']})"
+                return "required" if d[key] is None and key == "epochs" else show(d[key])
+
+            return "; ".join(f"{name} {value(d)}"
                              for name, d in kind.datasets.items())
 
         return "(default: per sweep and dataset: " + " | ".join(f"{k.name}: {one(k)}" for k in kinds.values()) + ")"
@@ -110,7 +115,11 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
                              if "digits" in k.quick.get("epochs", {}))
     budget.add_argument("--epochs", type=int, help="training epochs per cell " + per_dataset("epochs", str)[:-1]
                         + f"; --quick on digits: {quick_epochs})")
-    budget.add_argument("--max-steps", type=int, help="optimizer steps per cell, instead of --epochs (default: unset)")
+    budget.add_argument("--max-steps", type=int, help="optimizer steps per cell, instead of --epochs (default: unset; language-model sweeps: "
+                        + "; ".join(f"--sweep {k.name} {d['max_steps']}"
+                                    + (f" (--quick: {k.quick['max_steps'][n]})" if n in k.quick.get("max_steps", {})
+                                       else "") for k in kinds.values() for n, d in k.datasets.items()
+                                    if d.get("max_steps") and n == k.default_dataset) + ")")
     b.add_argument("--warmup-frac", type=float,
                    help="linear warm-up share of the steps; 0: the stress hits the peak lr at once "
                         + per_kind(lambda k: f"{k.warmup_frac:g}"))
@@ -124,14 +133,16 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
     b.add_argument("--limit-val-batches", type=float, default=1.0,
                    help="fraction (<= 1) or number (> 1) of validation batches (default: 1.0, all)")
     d = p.add_argument_group("data and model")
-    d.add_argument("--dataset", choices=list(DATASETS), default="cifar100",
+    d.add_argument("--dataset", choices=list(DATASETS),
                    help="digits: scikit-learn's bundled 8x8 handwritten digits (offline); folder: your images in "
                         "--root (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/* with 20 %% of each class "
                         "held out, split seed 0: the recipe's folder dataset); synthetic: the offline "
-                        "CIFAR-100-shaped stand-in (default: cifar100)")
+                        "CIFAR-100-shaped stand-in; language-model sweeps: stdlib (the Python standard library's "
+                        "sources) or text (your UTF-8 text files in --root) "
+                        + per_kind(lambda k: k.default_dataset))
     d.add_argument("--root", default="data",
-                   help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder "
-                        "(default: data)")
+                   help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder; "
+                        "with --dataset text, the text file or folder (default: data)")
     d.add_argument("--image-size", type=int, help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="training augmentation of the data module " + per_dataset("augment", _flag))
@@ -208,6 +219,8 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         if twice is not None:
             p.error(f"{flag} lists {twice:g} more than once: give each value once" if isinstance(twice, float)
                     else f"{flag} lists {twice} more than once: give each value once")
+    if args.dataset is None:
+        args.dataset = sweep.default_dataset
     if args.dataset not in sweep.datasets:
         p.error(f"--sweep {sweep.name} has no defaults for --dataset {args.dataset}; choose one of "
                 f"{list(sweep.datasets)}")
@@ -223,6 +236,9 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
     for key in ("weight_decay", "warmup_frac"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(sweep, key))
+    if args.epochs is None and args.max_steps is None and defaults.get("max_steps"):  # a stream: steps, not epochs
+        quick = sweep.quick.get("max_steps", {}).get(args.dataset) if args.quick else None
+        args.max_steps = quick or defaults["max_steps"]
     if args.epochs is None and args.max_steps is None:
         args.epochs = sweep.quick.get("epochs", {}).get(args.dataset) if args.quick else None
         args.epochs = args.epochs or defaults["epochs"]

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from recipes.sweeps.claims.engine import Claim
-from recipes.sweeps.records import Row
+from recipes.sweeps.records import HEAD_COLUMNS, Row
+from recipes.sweeps.score import TOP1, Score
 
 __all__ = ["History", "Measured", "Sweep"]
 
@@ -68,6 +69,13 @@ class Sweep:
         out_stem: the default ``--out`` is ``runs/<out_stem>_<dataset>``.
         extra_settings: the parsed arguments -> settings of this kind beyond the shared ones.
         progress_note: a finished cell's record -> extra text for its progress line.
+        score: what a cell is scored by (final top-1; bits per byte for language models).
+        head_columns: the shared ``results.csv`` columns the kind has (a language model has no top-1).
+        default_dataset: the ``--dataset`` when none is given.
+        runner: ``module:function`` that trains one cell (imported only where a cell trains).
+        checker: ``module:function`` that checks every cell's settings before the first runs.
+        keep: the cells of the grid the kind runs (e.g. a reference arm at a few learning rates only).
+        data_note: the record of the checked data (``data.json``) -> its line in ``results.md``.
     """
 
     name: str
@@ -99,6 +107,13 @@ class Sweep:
     out_stem: str = "stress"
     extra_settings: Callable[[argparse.Namespace], dict[str, Any]] = field(default=_nothing)
     progress_note: Callable[[Mapping[str, Any]], str] = field(default=_no_note)
+    score: Score = TOP1
+    head_columns: tuple[str, ...] = HEAD_COLUMNS
+    default_dataset: str = "cifar100"
+    runner: str = "recipes.sweeps.cell:run_cell"
+    checker: str = "recipes.sweeps.checks:check_cells"
+    keep: Optional[Callable[[tuple[str, float, int, int], argparse.Namespace], bool]] = None
+    data_note: Optional[Callable[[Mapping[str, Any]], str]] = None
 
     @property
     def dest(self) -> str:
@@ -108,6 +123,13 @@ class Sweep:
     def cell_name(self, arm: str, lr: float, batch_size: int, seed: int) -> str:
         """The cell's id: its TensorBoard run name and the stem of its record file."""
         return f"{self.cell_prefix}{arm}_lr{lr:g}_bs{batch_size}_seed{seed}"
+
+    def load(self, what: str) -> Callable[..., Any]:
+        """The function ``runner`` or ``checker`` names, imported now."""
+        import importlib
+
+        module, name = getattr(self, what).split(":")
+        return getattr(importlib.import_module(module), name)
 
     def row(self, values: Mapping[str, Any]) -> Row:
         """A typed row of this kind from a record or a CSV row."""

@@ -38,9 +38,11 @@ from recipes.sweeps.kind import History, Measured, Sweep
 from recipes.sweeps.norm import measure as norm_measure, monitors as norm_monitors
 from recipes.sweeps.records import Row, accuracy, distinct_lrs
 from recipes.sweeps.robustness import by_arm, robustness
+from recipes.sweeps.score import TOP1, Score
 from recipes.sweeps.series import extreme, thin
 
-__all__ = ["ATTENTION_QUERIES", "HIGH_LR_MIN", "QK", "TEXT", "VIT_CIFAR", "VIT_DIGITS", "claims", "figure"]
+__all__ = ["ATTENTION_QUERIES", "HIGH_LR_MIN", "QK", "TEXT", "VIT_CIFAR", "VIT_DIGITS", "claims", "figure", "log_logit",
+           "per_lr", "premise", "sensitivity"]
 
 #: "high" learning rates: ten times the recipe's AdamW default (1e-3) and above
 HIGH_LR_MIN = 0.01
@@ -104,7 +106,7 @@ RULE = (
 )
 
 
-def _log_logit(row: Row) -> Optional[float]:
+def log_logit(row: Row) -> Optional[float]:
     value = row.metrics.get("max_logit")
     if row.diverged or value is None or not math.isfinite(value) or value <= 0:
         return None
@@ -120,7 +122,7 @@ def _high(rows: list[Row]) -> list[float]:
     return [lr for lr in distinct_lrs(rows) if lr >= HIGH_LR_MIN * (1 - 1e-9)]
 
 
-def _per_lr(rows: list[Row], a: str, b: str, get: Any, side: str) -> list[Comparison]:
+def per_lr(rows: list[Row], a: str, b: str, get: Any, side: str) -> list[Comparison]:
     """``a`` minus ``b`` at every high lr and batch size; diverged seeds' values are left out."""
     sizes = sorted({r.batch_size for r in rows})
     out = []
@@ -133,21 +135,22 @@ def _per_lr(rows: list[Row], a: str, b: str, get: Any, side: str) -> list[Compar
     return out or [missing(f"{a} - {b}", f"missing cells: no swept lr >= {HIGH_LR_MIN:g}")]
 
 
-def _premise(rows: list[Row]) -> list[Comparison]:
+def premise(rows: list[Row]) -> list[Comparison]:
     lrs = distinct_lrs(rows)
     sizes = sorted({r.batch_size for r in rows})
     out = []
     for lr in [lr for lr in _high(rows) if lrs and lr > lrs[0]]:
         for bs in sizes:
-            high = (f"none @ lr {lr:g}", arm_values(rows, "none", lr, bs, _log_logit))
-            low = (f"none @ lr {lrs[0]:g}", arm_values(rows, "none", lrs[0], bs, _log_logit))
+            high = (f"none @ lr {lr:g}", arm_values(rows, "none", lr, bs, log_logit))
+            low = (f"none @ lr {lrs[0]:g}", arm_values(rows, "none", lrs[0], bs, log_logit))
             out.append(welch_comparison(f"batch {bs}: none @ {lr:g} - none @ {lrs[0]:g}", high, low, "above", 0.0,
                                         unit="", optional=unmeasurable(high, low)))
     return out or [missing("none", f"missing cells: needs a swept lr >= {HIGH_LR_MIN:g} above the smallest")]
 
 
-def _sensitivity(rows: list[Row], a: str, b: str) -> list[Comparison]:
-    found = by_arm(robustness(rows))
+def sensitivity(rows: list[Row], a: str, b: str, score: Score = TOP1) -> list[Comparison]:
+    """Per batch size: the per-seed LR sensitivity (:mod:`recipes.sweeps.robustness`) of ``a`` minus ``b``, below 0."""
+    found = by_arm(robustness(rows, score))
 
     def values(arm: str, bs: int) -> tuple[str, Values]:
         s = found.get((arm, bs))
@@ -160,7 +163,8 @@ def _sensitivity(rows: list[Row], a: str, b: str) -> list[Comparison]:
         return arm, (seeds, None if len(seeds) >= MIN_SEEDS else
                      f"too few seeds: {arm} at batch {bs} has n={len(seeds)} (needs {MIN_SEEDS})")
 
-    return [welch_comparison(f"batch {bs}: {a} - {b}", values(a, bs), values(b, bs), "below", 0.0)
+    return [welch_comparison(f"batch {bs}: {a} - {b}", values(a, bs), values(b, bs), "below", 0.0,
+                             unit="pt" if score is TOP1 else "")
             for bs in sorted({r.batch_size for r in rows})]
 
 
@@ -168,13 +172,13 @@ def claims(rows: list[Row]) -> list[Claim]:
     """The ``qk`` sweep's claims over typed ``results.csv`` rows, not yet evaluated."""
     logit = "log10 of the largest attention logit over training (seeds that did not diverge)"
     groups = {
-        "0": [(f"{logit}: none at a high lr above none at the smallest lr", _premise(rows))],
-        "W1": [(f"{logit}: layer below none", _per_lr(rows, "layer", "none", _log_logit, "below"))],
-        "W2": [("LR sensitivity (points of top-1): layer below none", _sensitivity(rows, "layer", "none"))],
-        "P1": [(f"{logit}: mrs below none", _per_lr(rows, "mrs", "none", _log_logit, "below"))],
+        "0": [(f"{logit}: none at a high lr above none at the smallest lr", premise(rows))],
+        "W1": [(f"{logit}: layer below none", per_lr(rows, "layer", "none", log_logit, "below"))],
+        "W2": [("LR sensitivity (points of top-1): layer below none", sensitivity(rows, "layer", "none"))],
+        "P1": [(f"{logit}: mrs below none", per_lr(rows, "mrs", "none", log_logit, "below"))],
         "P2": [("smallest attention entropy over training (nats): mrs above none",
-                _per_lr(rows, "mrs", "none", _entropy, "above"))],
-        "P3": [("LR sensitivity (points of top-1): mrs below none", _sensitivity(rows, "mrs", "none"))],
+                per_lr(rows, "mrs", "none", _entropy, "above"))],
+        "P3": [("LR sensitivity (points of top-1): mrs below none", sensitivity(rows, "mrs", "none"))],
     }
     return [Claim(key, *TEXT[key], groups=groups[key]) for key in TEXT]
 

@@ -94,9 +94,9 @@ def _typed(value: Any, kind: str) -> Any:
     return value
 
 
-def columns(arm_column: str, metric_columns: Sequence[str]) -> list[str]:
-    """``results.csv``'s header: the arm, the shared columns, the sweep's metrics, cost and run."""
-    return [arm_column, *HEAD_COLUMNS, *metric_columns, *TAIL_COLUMNS]
+def columns(arm_column: str, metric_columns: Sequence[str], head: Sequence[str] = HEAD_COLUMNS) -> list[str]:
+    """``results.csv``'s header: the arm, the shared columns (``head``), the sweep's metrics, cost and run."""
+    return [arm_column, *head, *metric_columns, *TAIL_COLUMNS]
 
 
 def _fmt(value: Any) -> str:
@@ -118,9 +118,10 @@ def csv_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return buf.getvalue()
 
 
-def csv_text(rows: Iterable[Row], arm_column: str, metric_columns: Sequence[str]) -> str:
-    """``results.csv``'s text of ``rows``."""
-    header = columns(arm_column, metric_columns)
+def csv_text(rows: Iterable[Row], arm_column: str, metric_columns: Sequence[str],
+             head: Sequence[str] = HEAD_COLUMNS) -> str:
+    """``results.csv``'s text of ``rows`` (``head``: the shared columns the kind has)."""
+    header = columns(arm_column, metric_columns, head)
     return csv_table(header, ([r.value(c, arm_column) for c in header] for r in rows))
 
 

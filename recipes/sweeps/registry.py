@@ -6,6 +6,8 @@ A new kind: a module defining its :class:`~recipes.sweeps.kind.Sweep`, and one l
 from __future__ import annotations
 
 from recipes.sweeps.kind import Sweep
+from recipes.sweeps.lm import LM
+from recipes.sweeps.lmqk import LM_QK
 from recipes.sweeps.norm import NORM
 from recipes.sweeps.qk import QK
 
@@ -14,6 +16,8 @@ __all__ = ["DEFAULT", "SWEEPS"]
 SWEEPS: dict[str, Sweep] = {kind.name: kind for kind in (
     NORM,
     QK,
+    LM,
+    LM_QK,
 )}
 #: the kind ``--sweep`` defaults to
 DEFAULT = NORM.name

@@ -26,7 +26,8 @@ from recipes.sweeps.claims.engine import evaluate
 from recipes.sweeps.claims.markdown import markdown as claims_markdown
 from recipes.sweeps.claims.stats import MIN_SEEDS
 from recipes.sweeps.kind import Sweep
-from recipes.sweeps.records import Row, accuracy, arm_key, csv_text, load_records, read_csv, row_key, write_atomic
+from recipes.sweeps.records import Row, arm_key, csv_text, load_records, read_csv, row_key, write_atomic
+from recipes.sweeps.score import TOP1, Score
 
 __all__ = ["DATA_FILE", "verdict_command", "write_outputs"]
 
@@ -34,13 +35,13 @@ __all__ = ["DATA_FILE", "verdict_command", "write_outputs"]
 DATA_FILE = "data.json"
 
 
-def _pct(values: list[float]) -> str:
-    """Mean ± sd (over seeds) in percent."""
-    finite = [100 * v for v in values if math.isfinite(v)]
+def _pct(values: list[float], score: Score = TOP1) -> str:
+    """Mean ± sd (over seeds) in the score's display units (top-1: percent)."""
+    finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return "nan"
     mean = statistics.fmean(finite)
-    return f"{mean:.2f} ± {statistics.stdev(finite):.2f}" if len(finite) > 1 else f"{mean:.2f}"
+    return f"{score.show(mean)} ± {score.show(statistics.stdev(finite))}" if len(finite) > 1 else score.show(mean)
 
 
 def _mean(values: list[Optional[float]]) -> str:
@@ -56,7 +57,7 @@ def _axes(rows: list[Row], kind: Sweep) -> list[str]:
             f"seeds {' '.join(str(s) for s in sorted({r.seed for r in rows}))} ({len(rows)} cells finished)"]
 
 
-def _data(out: Path) -> list[str]:
+def _data(out: Path, kind: Sweep) -> list[str]:
     path = out / DATA_FILE
     if not path.exists():
         return []
@@ -64,6 +65,8 @@ def _data(out: Path) -> list[str]:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, OSError):
         return []
+    if kind.data_note is not None:
+        return [kind.data_note(data)]
     classes = data.get("classes", [])
     shown = ", ".join(classes[:12]) + (f", ... ({len(classes) - 12} more)" if len(classes) > 12 else "")
     return [f"- data: {len(classes)} classes ({shown}); {data.get('train')} training and {data.get('val')} "
@@ -83,14 +86,18 @@ def _cell_table(rows: list[Row], kind: Sweep) -> list[str]:
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         groups[(r.lr, r.batch_size, r.arm)].append(r)
+    score = kind.score
+    what = ("Validation top-1 in %, mean ± sd over seeds (one seed: no ±); a diverged seed counts as chance from its "
+            "divergence on." if score is TOP1 else
+            f"Final and best {score.label}, mean ± sd over seeds (one seed: no ±); {score.diverged_text}; best: "
+            "the best validation before any divergence.")
     lines = [
         "## Per cell",
         "",
-        "Validation top-1 in %, mean ± sd over seeds (one seed: no ±); a diverged seed counts as chance from its "
-        "divergence on. **DIVERGED k/n @ s**: k of n seeds hit a non-finite training loss, the first at optimizer "
+        f"{what} **DIVERGED k/n @ s**: k of n seeds hit a non-finite training loss, the first at optimizer "
         f"step s (the cell stops there). {kind.table_note}",
         "",
-        f"| lr | batch | {kind.arm_column} | seeds | final top-1 | best top-1 | divergence | "
+        f"| lr | batch | {kind.arm_column} | seeds | final {score.label} | best {score.label} | divergence | "
         + "".join(f"{h} | " for h, _ in kind.table),
         "|---:|---:|:---|---:|---:|---:|:---|" + "---:|" * len(kind.table),
     ]
@@ -100,8 +107,8 @@ def _cell_table(rows: list[Row], kind: Sweep) -> list[str]:
         steps = [r.divergence_step for r in div if r.divergence_step is not None]
         mark = f"**DIVERGED {len(div)}/{len(rs)} @ {min(steps) if steps else '?'}**" if div else "none"
         lines.append(
-            f"| {lr:g} | {bs} | {arm} | {len(rs)} | {_pct([accuracy(r) for r in rs])} | "
-            f"{_pct([r.best_top1 for r in rs if r.best_top1 is not None])} | {mark} | "
+            f"| {lr:g} | {bs} | {arm} | {len(rs)} | {_pct([score.final(r) for r in rs], score)} | "
+            f"{_pct([b for b in map(score.best, rs) if b is not None], score)} | {mark} | "
             + "".join(f"{_mean([r.metrics.get(key) for r in rs])} | " for _, key in kind.table)
         )
         lines[-1] = lines[-1].rstrip()
@@ -150,7 +157,7 @@ def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any],
         "## Setup",
         "",
         *_axes(rows, kind),
-        *_data(out),
+        *_data(out, kind),
         *[f"- {k}: `{v}`" for k, v in settings.items()],
         *_cost(rows),
         "",
@@ -159,7 +166,7 @@ def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any],
         *[f"    {c}" for c in commands],
         "",
         *claims_markdown([evaluate(c) for c in kind.claims(rows)], kind.rule),
-        *rb.markdown(summaries, kind.arm_column),
+        *rb.markdown(summaries, kind.arm_column, kind.score),
         *_cell_table(rows, kind),
         "Files: `results.csv` (cells), `robustness.csv`, `results.png`, `cells/*.json` (records with curves), "
         "`tb/` (TensorBoard runs).",
@@ -175,10 +182,11 @@ def write_outputs(out: Path, kind: Sweep, settings: dict[str, Any], command: str
     Returns the cell records, in table order.
     """
     records = sorted(load_records(out), key=lambda r: row_key(kind.row(r)))
-    write_atomic(out / "results.csv", csv_text(map(kind.row, records), kind.arm_column, kind.metric_columns))
+    write_atomic(out / "results.csv", csv_text(map(kind.row, records), kind.arm_column, kind.metric_columns,
+                                               kind.head_columns))
     rows = read_csv(out / "results.csv", kind.arm_column, kind.metric_columns)  # the report rests on the CSV alone
-    summaries = rb.robustness(rows)
-    write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column))
+    summaries = rb.robustness(rows, kind.score)
+    write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column, kind.score))
     commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     write_atomic(out / "results.md", _markdown(out, rows, kind, settings, commands or [command], summaries))
     png = out / "results.png"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import multiprocessing
 import sys
 import time
@@ -38,8 +39,7 @@ Cell = tuple[str, float, int, int]  # arm, lr, batch size, seed
 
 def _work(args: argparse.Namespace, out: Path, cell: Cell) -> dict[str, Any]:
     """Train one cell (in this process or a pool worker); its record with wall and CPU seconds."""
-    from recipes.sweeps.cell import run_cell  # torch, Lightning: only where a cell trains
-
+    run_cell = args.sweep.load("runner")  # torch, Lightning: only where a cell trains
     arm, lr, bs, seed = cell
     start, cpu = time.monotonic(), time.process_time()
     record = run_cell(args, out, args.sweep.cell_name(*cell), arm=arm, lr=lr, batch_size=bs, seed=seed)
@@ -113,7 +113,10 @@ def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
 
 
 def _line(record: dict[str, Any], kind: Sweep) -> str:
-    return (f"{record['cell']}: final top-1 {100 * record['final_top1']:.2f} %, best {100 * record['best_top1']:.2f} %"
+    row, score = kind.row(record), kind.score
+    best = score.best(row)
+    return (f"{record['cell']}: final {score.label} {score.show(score.final(row))}{score.unit}, best "
+            f"{score.show(best if best is not None else math.nan)}{score.unit}"
             + (f", DIVERGED at step {record['divergence_step']}" if record["diverged"] else "")
             + kind.progress_note(record) + f" ({record['wall_s']:.0f} s, {record['cpu_s']:.0f} s CPU)")
 
@@ -124,6 +127,8 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
     kind: Sweep = args.sweep
     out = Path(args.out)
     grid = list(itertools.product(args.arms, args.lrs, args.batch_sizes, args.seeds))
+    if kind.keep is not None:
+        grid = [c for c in grid if kind.keep(c, args)]
     mine = [c for i, c in enumerate(grid) if i % args.shard_n == args.shard_k]
     done = {r["cell"] for r in load_records(out)} if (out / "cells").is_dir() else set()
     todo = [c for c in mine if kind.cell_name(*c) not in done]
@@ -134,8 +139,7 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
                          "--out, or the same settings to resume that sweep.")
     data = None
     if todo:
-        from recipes.sweeps.checks import check_cells  # torch, Lightning: only when there is work
-
+        check_cells = kind.load("checker")  # torch, Lightning: only when there is work
         try:
             data = check_cells(args, todo)
         except UsageError as err:

@@ -23,6 +23,10 @@ _SPLITS = {
     "cifar100": "the official 50000 training / 10000 test images (test used for validation)",
     "folder": f"the folder's train/ and val/, or without them {_STRATIFIED}",
     "synthetic": "generated training and validation sets",
+    "stdlib": "the standard library's files split by file (recipes/text_data.py: 10 % of the files held out, split "
+              "seed 0); random training windows, a fixed set of validation windows",
+    "text": "the text files in --root split by file (recipes/text_data.py: 10 % of the files held out, split seed 0; "
+            "one file: cut in two); random training windows, a fixed set of validation windows",
 }
 _KEEP = ("dataset", "image_size", "augment", "arch", "arch_kwargs", "cifar_stem", "epochs", "max_steps", "warmup_frac",
          "schedule", "weight_decay", "accelerator", "precision", "mrs_backend", "val_every", "limit_val_batches",
@@ -34,7 +38,7 @@ def sweep_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: getattr(args, k) for k in _KEEP}
     if settings["precision"] is None:
         settings["precision"] = "32-true" if args.accelerator == "cpu" else "auto: bf16-mixed/16-mixed on GPUs"
-    if args.dataset == "folder":
+    if args.dataset in ("folder", "text"):
         settings["root"] = os.path.abspath(args.root)
     settings.update(args.sweep.extra_settings(args))
     settings.update(optimizer=args.sweep.optimizer_text, split=_SPLITS[args.dataset], devices=1)

@@ -111,7 +111,7 @@ def test_a_kind_defined_in_a_test_runs_end_to_end(tmp_path: Path, capsys: pytest
 def test_the_registry_is_one_line_per_kind() -> None:
     source = Path(registry.__file__).read_text()
     for kind in registry.SWEEPS.values():
-        assert source.count(f"    {kind.name.upper()},\n") == 1  # its line in the registry
+        assert source.count(f"    {kind.name.upper().replace('-', '_')},\n") == 1  # its line in the registry
         assert kind.cell_name("a", 0.1, 8, 0).startswith(kind.cell_prefix)
     prefixes = [k.cell_prefix for k in registry.SWEEPS.values()]
     assert len(set(prefixes)) == len(prefixes)  # cells of different kinds never share an id
