@@ -30,7 +30,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from typing_extensions import override
 
 from lightning_mrs.swap.attention import expose_attention
-from recipes.classifier import ValidateAtEnd
+from recipes.training import ValidateAtEnd
 from recipes.errors import UsageError
 from recipes.hparams import FINAL, RunLogger, log_hparams
 from recipes.lm import ByteLM, cpu_fp16
