@@ -25,17 +25,13 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
-from lightning_mrs.ops import BACKENDS
-from recipes.errors import UsageError
 from recipes.models import build_model, check_qk_norms
 from recipes.optim import build_optimizer, optimizer_options, warmup_cosine
+from recipes.training import QK_NORM_CHOICES, check_model_options
 
 __all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
-#: the ``qk_norm`` values the classifier takes (``none``: no QK-norm added); cf. the library's
-#: ``lightning_mrs.swap.options.QK_NORMS``, which are the values ``swap_norms(qk_norm=...)`` takes
-QK_NORM_CHOICES = ("none", "mrs", "rms", "layer")
 
 
 class ImageClassifier(pl.LightningModule):
@@ -101,16 +97,8 @@ class ImageClassifier(pl.LightningModule):
         betas: Optional[tuple[float, float]] = None,
     ) -> None:
         super().__init__()
-        if norm not in NORMS:
-            raise UsageError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
-        if qk_norm not in QK_NORM_CHOICES:
-            raise UsageError(f"--model.qk_norm {qk_norm!r} is not valid; choose one of {list(QK_NORM_CHOICES)}.")
-        if schedule not in ("cosine", "constant"):
-            raise UsageError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
-        if not 0.0 <= warmup_frac < 1.0:
-            raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
-        if mrs_backend not in BACKENDS:
-            raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
+        check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
+                            mrs_backend=mrs_backend)
         chosen = optimizer_options(optimizer, lr=lr, weight_decay=weight_decay, momentum=momentum,
                                     nesterov=nesterov, betas=betas)
         self.save_hyperparameters()

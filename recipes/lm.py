@@ -59,6 +59,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -69,19 +70,18 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, SwapOptions, swap_norms
-from lightning_mrs.ops import BACKENDS
 from recipes.causal_lm import build_causal_lm, decoder_layers, require_transformers
 from recipes.errors import UsageError
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
 from recipes.text_corpus import unigram_entropy
 from recipes.text_data import TextDataModule
-from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, run_main
+from recipes.hparams import FINAL, HParamsSummary, RunLogger
+from recipes.training import ValidateAtEnd, build_quietly, check_model_options, cpu_fp16, default_precision, run_main
 
 __all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "main", "run"]
 
 NORMS = ("mrs", "rms", "layer", "none")
-QK_NORMS = ("none", "mrs", "rms", "layer")
 DEFAULT_PROMPT = "def __init__(self"
 
 
@@ -137,16 +137,8 @@ class ByteLM(pl.LightningModule):
         sample_bytes: int = 64,
     ) -> None:
         super().__init__()
-        if norm not in NORMS:
-            raise UsageError(f"--model.norm {norm!r} is not valid; choose one of {list(NORMS)}.")
-        if qk_norm not in QK_NORMS:
-            raise UsageError(f"--model.qk_norm {qk_norm!r} is not valid; choose one of {list(QK_NORMS)}.")
-        if schedule not in ("cosine", "constant"):
-            raise UsageError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
-        if not 0.0 <= warmup_frac < 1.0:
-            raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
-        if mrs_backend not in BACKENDS:
-            raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
+        check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
+                            mrs_backend=mrs_backend)
         if sample_bytes < 0 or (sample_bytes and not prompt):
             raise UsageError("--model.sample_bytes must be >= 0, with a non-empty --model.prompt.")
         chosen = optimizer_options("adamw", lr=lr, weight_decay=weight_decay, betas=betas)
@@ -310,7 +302,8 @@ class ByteLM(pl.LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -326,6 +319,19 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+
+
+#: the final metrics of a run in TensorBoard's HParams dashboard: ``name -> (logged tag, reduction)``
+LM_SUMMARY: dict[str, tuple[str, str]] = {
+    f"{FINAL}/val_bpb": ("val/bpb", "last"),
+    f"{FINAL}/best_val_bpb": ("val/bpb", "min"),
+    f"{FINAL}/val_loss": ("val/loss", "last"),
+    f"{FINAL}/train_loss": ("train/loss", "last"),
+    f"{FINAL}/diverged": ("train/loss", "nonfinite"),
+    f"{FINAL}/mean_grad_cv": ("phasor/all/grad_cv", "mean"),
+    f"{FINAL}/max_logit": ("attention/all/logit_max", "max"),
+    f"{FINAL}/max_absmax": ("outlier/all/absmax", "max"),
+}
 
 
 class LMCLI(LightningCLI):
@@ -366,13 +372,17 @@ class LMCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
-        strategy = self._get(self.config_init, "trainer", default={}).get("strategy")
+        given = self._get(self.config_init, "trainer", default={})
+        strategy = given.get("strategy")
         if strategy == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
             kwargs["strategy"] = FSDP2Strategy()
         if self.fp16_plugin is not None:
-            given = self._get(self.config_init, "trainer", default={}).get("plugins") or []
-            given = given if isinstance(given, list) else [given]
-            kwargs["plugins"] = [*given, self.fp16_plugin]
+            plugins = given.get("plugins") or []
+            plugins = plugins if isinstance(plugins, list) else [plugins]
+            kwargs["plugins"] = [*plugins, self.fp16_plugin]
+        if given.get("logger") in (None, True):  # Lightning's default logger, without the empty hp_metric
+            root = given.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
         try:
             return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
@@ -393,7 +403,7 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
             "check_val_every_n_epoch": None,
             "gradient_clip_val": 1.0,
             "log_every_n_steps": 10,
-            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd()],
+            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY)],
         },
         save_config_kwargs={"overwrite": True},
     )

@@ -8,7 +8,7 @@ data module and a LightningCLI subclass; everything else they have in common liv
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NoReturn, Optional, TypeVar
+from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -20,9 +20,13 @@ from typing_extensions import override
 
 from recipes.errors import UsageError, report
 
-__all__ = ["OneLineParser", "ValidateAtEnd", "build_quietly", "cpu_fp16", "default_precision", "run_main"]
+__all__ = ["QK_NORM_CHOICES", "OneLineParser", "ValidateAtEnd", "build_quietly", "check_model_options", "cpu_fp16", "default_precision",
+           "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
+
+#: ``--model.qk_norm`` of both recipes: the QK-norm to add (or swap to) in every attention layer.
+QK_NORM_CHOICES = ("none", "mrs", "rms", "layer")
 
 
 class OneLineParser(LightningArgumentParser):
@@ -72,6 +76,23 @@ def cpu_fp16(precision: Any, accelerator: Any) -> Optional[Any]:
     from lightning.pytorch.plugins import MixedPrecision
 
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def check_model_options(*, norm: str, norms: Sequence[str], qk_norm: str, schedule: str, warmup_frac: float,
+                        mrs_backend: str) -> None:
+    """The ``--model.*`` checks both recipes' LightningModules make, as one-line usage errors."""
+    from lightning_mrs.ops import BACKENDS
+
+    if norm not in norms:
+        raise UsageError(f"--model.norm {norm!r} is not valid; choose one of {list(norms)}.")
+    if qk_norm not in QK_NORM_CHOICES:
+        raise UsageError(f"--model.qk_norm {qk_norm!r} is not valid; choose one of {list(QK_NORM_CHOICES)}.")
+    if schedule not in ("cosine", "constant"):
+        raise UsageError(f"--model.schedule {schedule!r} is not valid; choose one of ['cosine', 'constant'].")
+    if not 0.0 <= warmup_frac < 1.0:
+        raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
+    if mrs_backend not in BACKENDS:
+        raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
 
 
 def build_quietly(cli_class: Callable[..., CLI], *args: Any, **kwargs: Any) -> CLI:

@@ -15,6 +15,7 @@ from torch import nn
 
 from helpers import ROOT
 from helpers.scripts import run_script
+from helpers.tensorboard import event_scalars, session_start
 from recipes.errors import UsageError
 
 SCRIPT = ROOT / "recipes" / "lm.py"
@@ -80,6 +81,14 @@ def test_fit_in_each_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         assert bpb == pytest.approx(loss / math.log(2), rel=1e-6)
     assert 5.0 < scalars["val/loss"][0][1] / math.log(2) < 8.5  # untrained: about log2(256) = 8 bits
     assert all(v > 0 for _, v in scalars["train/tokens_per_s"])
+    # TensorBoard's HParams dashboard: the run's settings and final metrics, no empty hp_metric
+    final = event_scalars(run)
+    assert "hp_metric" not in final and "epoch" not in final
+    assert final["z-final/val_bpb"][-1][1] == pytest.approx(scalars["val/bpb"][-1][1], rel=1e-6)
+    assert final["z-final/best_val_bpb"][-1][1] == pytest.approx(min(v for _, v in scalars["val/bpb"]), rel=1e-6)
+    assert final["z-final/diverged"][-1][1] == 0.0
+    hparams = session_start(run)
+    assert hparams["norm"].string_value == "none" and hparams["precision"].string_value == precision
     texts = acc.Tensors("samples/greedy/text_summary")
     assert [e.step for e in texts] == [2, 3]
     logged = texts[-1].tensor_proto.string_val[0].decode()
