@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
@@ -44,16 +43,16 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 import lightning_mrs
+from lightning_mrs.callbacks.checkpoint_file import SHARD_METADATA, read_checkpoint
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
 from lightning_mrs.swap.options import check_bool, check_model
 from lightning_mrs.swap.spec import (
     LayerRecord, describe_layers, differences, format_record, is_qk_name, rebuild, rebuild_v1,
 )
 
-__all__ = ["NormSwap", "read_checkpoint"]
+__all__ = ["NormSwap"]
 
 _SPEC_VERSION = 2
-_METADATA = "meta.pt"  # what ModelParallelStrategy writes beside the shards (Lightning's _METADATA_FILENAME)
 _SHOWN = 5  # layers listed in an error message
 
 
@@ -311,8 +310,8 @@ class NormSwap(Callback):
         """
         check_model("NormSwap.restore", model)
         check_bool("NormSwap.restore", "strict", strict)
-        sharded = (Path(checkpoint_path) / _METADATA).is_file()  # ModelParallelStrategy's directory of shards
-        checkpoint = read_checkpoint(Path(checkpoint_path) / _METADATA if sharded else checkpoint_path, map_location)
+        sharded = (Path(checkpoint_path) / SHARD_METADATA).is_file()  # ModelParallelStrategy's directory of shards
+        checkpoint = read_checkpoint(Path(checkpoint_path) / SHARD_METADATA if sharded else checkpoint_path, map_location)
         spec = _find_spec(checkpoint)
         if spec is None:
             raise ValueError(
@@ -398,38 +397,6 @@ def _options_of(spec: dict[str, Any]) -> str:
     if "layers" in spec:
         return f"target={spec.get('target')!r}, ..."
     return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
-
-
-def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *,
-                    owner: str = "NormSwap.restore") -> dict[str, Any]:
-    """``torch.load`` of a Lightning checkpoint, with one error naming ``owner``, the file and what is wrong
-    (missing, a directory, empty, truncated, not a torch file, not a dict). The recipes read ``--ckpt_path``
-    with it (``owner="--ckpt_path"``).
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: anything else that keeps the file from being a checkpoint.
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{owner}: no checkpoint at {os.fspath(path)} (no such file).")
-    if os.path.isdir(path):
-        raise ValueError(f"{owner}: {os.fspath(path)} is a directory; pass the .ckpt file (or the "
-                         f"directory of shards that ModelParallelStrategy writes, with its {_METADATA}).")
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"{owner}: {os.fspath(path)} is empty (0 bytes); save or copy it again.")
-    try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - torch raises many kinds (RuntimeError, UnpicklingError, EOFError, ...)
-        with open(path, "rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"  # torch.save writes a zip archive
-        reason = f"{type(err).__name__}: {str(err).split('. ')[0].strip()}"  # torch's first sentence
-        what = ("is truncated or corrupted ({}); save or copy it again." if zipped else
-                "is not a torch checkpoint file ({}); pass the .ckpt file that Lightning wrote.")
-        raise ValueError(f"{owner}: {os.fspath(path)} " + what.format(reason)) from None
-    if not isinstance(checkpoint, dict):
-        raise ValueError(f"{owner}: {os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning "
-                         "checkpoint (a dict with 'state_dict' and 'callbacks'): save it with trainer.save_checkpoint.")
-    return checkpoint
 
 
 def _find_spec(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -4,7 +4,7 @@ A recipe checkpoint records the model's hyperparameters (``save_hyperparameters`
 of another norm, QK-norm, architecture or head size is named by the options that differ; weights
 that still do not fit (another ``--model.arch_kwargs`` or a hand-edited file) by their first
 keys and shapes. An unreadable file (truncated, not a checkpoint) is named by
-:func:`lightning_mrs.callbacks.norm_swap.read_checkpoint`, NormSwap's own reader.
+:func:`lightning_mrs.callbacks.checkpoint_file.read_checkpoint`, NormSwap's own reader.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_mrs.callbacks.norm_swap import read_checkpoint
+from lightning_mrs.callbacks.checkpoint_file import read_checkpoint
 from recipes.errors import UsageError
 
 __all__ = ["MODEL_OPTIONS", "check_checkpoint"]
