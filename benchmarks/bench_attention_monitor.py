@@ -106,21 +106,22 @@ def fit_once(config: str, module: ViTClassifier, loader: DataLoader, args: argpa
     return start.times[args.warmup:]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """The options every monitor-overhead benchmark on this ViT takes."""
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--img-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)
-    parser.add_argument("--qk-norm", choices=("none", "mrs", "rms", "layer"), default="none")
-    parser.add_argument("--max-queries", type=int, default=256, help="AttentionMonitor(max_queries=...)")
     parser.add_argument("--steps", type=int, default=INTERVAL, help=f"timed steps per fit (a multiple of {INTERVAL})")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--accelerator", default="auto", help="Trainer(accelerator=...): auto, cpu, gpu")
     parser.add_argument("--precision", default="32-true", help="Trainer(precision=...), e.g. bf16-mixed")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--json", default=None, help="also write the raw step times here")
-    args = parser.parse_args(argv)
+
+
+def vit_and_data(parser: argparse.ArgumentParser, args: argparse.Namespace, qk_norm: str
+                 ) -> tuple[ViTClassifier, DataLoader]:
+    """Check the common options, set the threads and the seed; the model and enough random batches."""
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
     if args.steps % INTERVAL:
@@ -129,10 +130,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
-    module = ViTClassifier(args.img_size, args.patch_size, args.qk_norm)
+    module = ViTClassifier(args.img_size, args.patch_size, qk_norm)
     n = args.batch_size * (args.warmup + args.steps)
     data = TensorDataset(torch.randn(n, 3, args.img_size, args.img_size), torch.randint(0, 100, (n,)))
-    loader = DataLoader(data, batch_size=args.batch_size)
+    return module, DataLoader(data, batch_size=args.batch_size)
+
+
+def report(fit_means: dict[str, list[float]], header: str) -> None:
+    """The table of medians, ratios to ``none`` and per-repeat ratios, and the amortised cost."""
+    print(header)
+    base = statistics.median(fit_means["none"])
+    print(f"{'config':>8} | {'median of fit means, ms':>23} | {'ratio to none':>13} | per-repeat ratios")
+    for config, means in fit_means.items():
+        ratios = " ".join(f"{m / b:.3f}" for m, b in zip(means, fit_means["none"]))
+        print(f"{config:>8} | {1e3 * statistics.median(means):23.2f} | {statistics.median(means) / base:13.3f} | {ratios}")
+    every = statistics.median(fit_means["every"]) / base
+    print(f"one logging step costs {every:.3f}x a plain step -> amortised over {INTERVAL} steps "
+          f"{1 + (every - 1) / INTERVAL:.4f}x; measured at the default interval "
+          f"{statistics.median(fit_means['default']) / base:.4f}x (target <= 1.02)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_bench_args(parser)
+    parser.add_argument("--qk-norm", choices=("none", "mrs", "rms", "layer"), default="none")
+    parser.add_argument("--max-queries", type=int, default=256, help="AttentionMonitor(max_queries=...)")
+    parser.add_argument("--json", default=None, help="also write the raw step times here")
+    args = parser.parse_args(argv)
+    module, loader = vit_and_data(parser, args, args.qk_norm)
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}  # every timed step
     fit_means: dict[str, list[float]] = {c: [] for c in CONFIGS}  # one per fit
     with tempfile.TemporaryDirectory() as logdir:
@@ -145,19 +170,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                       file=sys.stderr, flush=True)
     device = "cuda" if torch.cuda.is_available() and args.accelerator in ("auto", "gpu", "cuda") else "cpu"
     tokens = (args.img_size // args.patch_size) ** 2 + 1
-    print(f"ViT-S ({args.qk_norm} QK-norm), {tokens} tokens, batch {args.batch_size}, {args.precision}, "
-          f"{args.accelerator} ({device}{'' if device == 'cuda' else f' x{torch.get_num_threads()} threads'}), "
-          f"max_queries={args.max_queries}; {args.repeats} interleaved repeats of {args.steps} timed steps")
-    base = statistics.median(fit_means["none"])
-    print(f"{'config':>8} | {'median of fit means, ms':>23} | {'ratio to none':>13} | per-repeat ratios")
-    for config in CONFIGS:
-        med = statistics.median(fit_means[config])
-        ratios = " ".join(f"{m / b:.3f}" for m, b in zip(fit_means[config], fit_means["none"]))
-        print(f"{config:>8} | {1e3 * med:23.2f} | {med / base:13.3f} | {ratios}")
-    every = statistics.median(fit_means["every"]) / base
-    print(f"one logging step costs {every:.3f}x a plain step -> amortised over {INTERVAL} steps "
-          f"{1 + (every - 1) / INTERVAL:.4f}x; measured at the default interval "
-          f"{statistics.median(fit_means['default']) / base:.4f}x (target <= 1.02)")
+    report(fit_means, f"ViT-S ({args.qk_norm} QK-norm), {tokens} tokens, batch {args.batch_size}, {args.precision}, "
+           f"{args.accelerator} ({device}{'' if device == 'cuda' else f' x{torch.get_num_threads()} threads'}), "
+           f"max_queries={args.max_queries}; {args.repeats} interleaved repeats of {args.steps} timed steps")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "times": times, "fit_means": fit_means}, f)

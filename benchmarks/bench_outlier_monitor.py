@@ -42,10 +42,10 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention_monitor import ViTClassifier  # noqa: E402 - the sibling benchmark's model
+from bench_attention_monitor import ViTClassifier, add_bench_args, report, vit_and_data  # noqa: E402 - the sibling ViT
 
 from lightning_mrs.callbacks import OutlierMonitor  # noqa: E402
 
@@ -94,45 +94,12 @@ def fit_once(config: str, module: ViTClassifier, loader: DataLoader, args: argpa
     return {clock: times[args.warmup:] for clock, times in start.times.items()}
 
 
-def report(fit_means: dict[str, list[float]], header: str) -> None:
-    """The table of medians, ratios to ``none`` and per-repeat ratios."""
-    print(header)
-    base = statistics.median(fit_means["none"])
-    print(f"{'config':>8} | {'median of fit means, ms':>23} | {'ratio to none':>13} | per-repeat ratios")
-    for config, means in fit_means.items():
-        ratios = " ".join(f"{m / b:.3f}" for m, b in zip(means, fit_means["none"]))
-        print(f"{config:>8} | {1e3 * statistics.median(means):23.2f} | {statistics.median(means) / base:13.3f} | {ratios}")
-    every = statistics.median(fit_means["every"]) / base
-    print(f"one logging step costs {every:.3f}x a plain step -> amortised over {INTERVAL} steps "
-          f"{1 + (every - 1) / INTERVAL:.4f}x; measured at the default interval "
-          f"{statistics.median(fit_means['default']) / base:.4f}x (target <= 1.02)")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--img-size", type=int, default=32)
-    parser.add_argument("--patch-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=INTERVAL, help=f"timed steps per fit (a multiple of {INTERVAL})")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each fit")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--accelerator", default="auto", help="Trainer(accelerator=...): auto, cpu, gpu")
-    parser.add_argument("--precision", default="32-true", help="Trainer(precision=...), e.g. bf16-mixed")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_bench_args(parser)
     parser.add_argument("--json", default=None, help="also write each fit's mean step time here")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
-    if args.steps % INTERVAL:
-        print(f"note: --steps {args.steps} is not a multiple of {INTERVAL}: 'default' is then not its amortised "
-              "cost", file=sys.stderr)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    pl.seed_everything(0, verbose=False)
-    module = ViTClassifier(args.img_size, args.patch_size, "none")
-    n = args.batch_size * (args.warmup + args.steps)
-    data = TensorDataset(torch.randn(n, 3, args.img_size, args.img_size), torch.randint(0, 100, (n,)))
-    loader = DataLoader(data, batch_size=args.batch_size)
+    module, loader = vit_and_data(parser, args, "none")
     fit_means = {clock: {c: [] for c in CONFIGS} for clock in CLOCKS}  # clock -> config -> one per fit
     with tempfile.TemporaryDirectory() as logdir:
         for r in range(args.repeats):
