@@ -2,7 +2,8 @@
 //
 // Compiled on first use by lightning_mrs/ops/cpu_kernels.py (the system C++ compiler, OpenMP,
 // -O3 -march=native) and called through ctypes; lightning_mrs/ops/torch_kernels.py holds
-// the same maths in plain torch (the reference the tests compare against).
+// the same maths in plain torch (the reference the tests compare against). The float <->
+// half conversions and the row buffers are in cpu_half.h.
 //
 // Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
 // reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
@@ -23,60 +24,18 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_half.h"
+
 namespace {
 
-inline float as_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t as_uint(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float ld(float v) { return v; }
-inline void st(float* p, float v) { *p = v; }
-
-struct bf16 { uint16_t bits; };
-inline float ld(bf16 v) { return as_float(static_cast<uint32_t>(v.bits) << 16); }
-inline void st(bf16* p, float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u = as_uint(f);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  p->bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
-
-// IEEE half by integer maths without branches, so that the loops vectorise (plain C++
-// conversions of _Float16 compile to one scalar vcvtph2ps per element; F16C intrinsics
-// would tie the source to x86). F. Giesen's "half <-> float" conversions, round to nearest
-// even like torch's.
-struct f16 { uint16_t bits; };
-inline float ld(f16 v) {
-  const uint32_t h = v.bits;
-  const uint32_t em = h & 0x7fffu;
-  // exponent and mantissa moved into place, rebiased by a multiply (exact, subnormals too)
-  uint32_t u = as_uint(as_float(em << 13) * 0x1p112f);
-  u |= em >= 0x7c00u ? 0x7f800000u : 0u;  // inf / NaN keep their mantissa
-  return as_float(u | ((h & 0x8000u) << 16));
-}
-inline void st(f16* p, float f) {
-  uint32_t u = as_uint(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  u &= 0x7fffffffu;
-  const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;  // rebias, round, shift
-  const uint32_t sub = as_uint(as_float(u) + 0.5f) - 0x3f000000u;      // the FPU rounds subnormals
-  uint32_t o = u < 0x38800000u ? sub : normal;
-  o = u >= 0x47800000u ? (u > 0x7f800000u ? 0x7e00u : 0x7c00u) : o;    // overflow: inf; NaN: qNaN
-  p->bits = static_cast<uint16_t>(o | sign);
-}
+using namespace mrs;
 
 // The weight (P,) as float32: the caller's pointer for float32, else converted into buf.
 const float* weight_f32(const void* w, int wkind, int64_t P, std::vector<float>& buf) {
@@ -114,40 +73,14 @@ class DwBuffers {
   std::vector<float> acc_;
 };
 
-// A row of T as float32: the row itself for float, else converted into buf by a contiguous
-// loop (which vectorises for every T); the pair loops of the row kernels then read float32
-// alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
-template <typename T>
-inline const float* row_f32(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) buf[j] = ld(src[j]);
-    return buf;
-  }
-}
-// Where a row kernel writes its float32 result: the output row itself for float, else buf.
-template <typename T>
-inline float* out_f32(T* dst, float* buf) {
-  if constexpr (std::is_same_v<T, float>) return dst;
-  else return buf;
-}
-// The result of out_f32 stored into the output row (nothing to do for float).
-template <typename T>
-inline void flush(const float* buf, T* dst, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) st(dst + j, buf[j]);
-  }
-}
-// Per-thread float32 rows for the conversions (empty for float).
-template <typename T>
-inline std::vector<float> scratch(int64_t n) {
-  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
-}
-
 // ---- channels contiguous: G groups of L rows of C, one S per group ----------------------
+// Half rows go through float32 buffers a block of kBlock values at a time: whole buffers of
+// a 4096-wide row (x, g and dx: 48 KiB) would not stay in L1 beside the weight and the
+// weight-gradient row, and the backward ran at twice float32's time per byte. A row of at
+// most kBlock channels is one block, converted once for both passes. The sample kernels
+// convert their rows of positions the same way.
+constexpr int64_t kBlock = 512;  // even: a block holds whole pairs
+
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
 // innermost loops carry no branch (w = 1 without a weight, which is exact).
 template <typename T, bool kAffine>
@@ -155,36 +88,43 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
               float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  const bool one_block = L == 1 && C <= kBlock;  // the buffer still holds the row in pass 2
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> xb = scratch<T>(C), yb = scratch<T>(C);
+    std::vector<float> xb = scratch<T>(kBlock), yb = scratch<T>(kBlock);
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < G; ++a) {
-      float s = 0.f;  // row by row: short float sums, then their total
+      float s = 0.f;  // block by block: short float sums, then their total
       for (int64_t l = 0; l < L; ++l) {
-        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), C);
-        float sr = 0.f;
+        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
+          const int64_t n = std::min(kBlock, C - j0);
+          const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), n);
+          float sr = 0.f;
 #pragma omp simd reduction(+ : sr)
-        for (int64_t p = 0; p < P; ++p) {
-          const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
-          sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+          for (int64_t p = 0; p < n / 2; ++p) {
+            const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
+            sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+          }
+          s += sr;
         }
-        s += sr;
       }
       if (rsum) rsum[a] = s;
       const float inv = n_pairs / s;
       for (int64_t l = 0; l < L; ++l) {
-        // one row per group (L = 1, tokens): the row converted above is still in the buffer
-        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), L == 1 ? 0 : C);
-        T* yd = y + (a * L + l) * C;
-        float* yr = out_f32(yd, yb.data());
+        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
+          const int64_t n = std::min(kBlock, C - j0);
+          const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
+          const float* wb = kAffine ? w + j0 / 2 : nullptr;
+          T* yd = y + (a * L + l) * C + j0;
+          float* yr = out_f32(yd, yb.data());
 #pragma omp simd
-        for (int64_t p = 0; p < P; ++p) {
-          const float m = kAffine ? inv * w[p] : inv;
-          yr[2 * p] = xr[2 * p] * m;
-          yr[2 * p + 1] = xr[2 * p + 1] * m;
+          for (int64_t p = 0; p < n / 2; ++p) {
+            const float m = kAffine ? inv * wb[p] : inv;
+            yr[2 * p] = xr[2 * p] * m;
+            yr[2 * p + 1] = xr[2 * p + 1] * m;
+          }
+          flush(yr, yd, n);
         }
-        flush(yr, yd, C);
       }
     }
   }
@@ -195,45 +135,53 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  const bool one_block = L == 1 && C <= kBlock;  // the buffers still hold the rows in pass 2
   DwBuffers dwb(kDw, nt, P);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     float* my = dwb.mine();
-    std::vector<float> xb = scratch<T>(C), gb = scratch<T>(C), db = scratch<T>(C);
+    std::vector<float> xb = scratch<T>(kBlock), gb = scratch<T>(kBlock), db = scratch<T>(kBlock);
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < G; ++a) {
       const float inv_s = n_pairs / rsum[a];
       float c = 0.f;  // sum_k w g x over the group
       for (int64_t l = 0; l < L; ++l) {
-        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), C);
-        const float* gr = row_f32(g + (a * L + l) * C, gb.data(), C);
-        float cr = 0.f;
+        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
+          const int64_t n = std::min(kBlock, C - j0);
+          const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), n);
+          const float* gr = row_f32(g + (a * L + l) * C + j0, gb.data(), n);
+          const float* wb = kAffine ? w + j0 / 2 : nullptr;
+          float cr = 0.f;
 #pragma omp simd reduction(+ : cr)
-        for (int64_t p = 0; p < P; ++p) {
-          const float gx = gr[2 * p] * xr[2 * p] + gr[2 * p + 1] * xr[2 * p + 1];
-          cr += kAffine ? w[p] * gx : gx;
+          for (int64_t p = 0; p < n / 2; ++p) {
+            const float gx = gr[2 * p] * xr[2 * p] + gr[2 * p + 1] * xr[2 * p + 1];
+            cr += kAffine ? wb[p] * gx : gx;
+          }
+          c += cr;
         }
-        c += cr;
       }
       const float k = c * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
       for (int64_t l = 0; l < L; ++l) {
-        // one row per group (L = 1, tokens): the rows converted above are still in the buffers
-        const int64_t n = L == 1 ? 0 : C;
-        const float* xr = row_f32(x + (a * L + l) * C, xb.data(), n);
-        const float* gr = row_f32(g + (a * L + l) * C, gb.data(), n);
-        T* dd = dx + (a * L + l) * C;
-        float* dr = out_f32(dd, db.data());
+        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
+          const int64_t n = std::min(kBlock, C - j0);
+          const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
+          const float* gr = row_f32(g + (a * L + l) * C + j0, gb.data(), one_block ? 0 : n);
+          const float* wb = kAffine ? w + j0 / 2 : nullptr;
+          float* mb = kDw ? my + j0 / 2 : nullptr;
+          T* dd = dx + (a * L + l) * C + j0;
+          float* dr = out_f32(dd, db.data());
 #pragma omp simd
-        for (int64_t p = 0; p < P; ++p) {
-          const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
-          const float g0 = gr[2 * p], g1 = gr[2 * p + 1];
-          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-          const float m = kAffine ? w[p] * inv_s : inv_s;
-          dr[2 * p] = g0 * m - kr * x0;
-          dr[2 * p + 1] = g1 * m - kr * x1;
-          if constexpr (kDw) my[p] += (g0 * x0 + g1 * x1) * inv_s;
+          for (int64_t p = 0; p < n / 2; ++p) {
+            const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
+            const float g0 = gr[2 * p], g1 = gr[2 * p + 1];
+            const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+            const float m = kAffine ? wb[p] * inv_s : inv_s;
+            dr[2 * p] = g0 * m - kr * x0;
+            dr[2 * p + 1] = g1 * m - kr * x1;
+            if constexpr (kDw) mb[p] += (g0 * x0 + g1 * x1) * inv_s;
+          }
+          flush(dr, dd, n);
         }
-        flush(dr, dd, C);
       }
     }
   }
@@ -241,35 +189,78 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
 }
 
 // ---- positions contiguous, one S per sample --------------------------------------------
+// Here every loop runs over contiguous positions, where the half conversions vectorise in
+// the loop itself (ld / st): bfloat16 is read and written in place (a shift, cheaper than a
+// buffer), float16 with the x86 conversion instructions goes through the float32 buffers a
+// block at a time (x1.4 faster than the integer maths in the loop on AVX-512).
+#if defined(__F16C__) || defined(__AVX512F__)
+constexpr bool kF16Simd = true;
+#else
+constexpr bool kF16Simd = false;
+#endif
+template <typename T>
+constexpr bool kBuffered = std::is_same_v<T, f16> && kF16Simd;
+// Rows of positions as the loops read them: the source itself, or its block in float32.
+template <typename T>
+inline auto in_row(const T* src, float* buf, int64_t n) {
+  if constexpr (kBuffered<T>) return row_f32(src, buf, n);
+  else return src;
+}
+template <typename T>
+inline auto out_row(T* dst, float* buf) {
+  if constexpr (kBuffered<T>) return buf;
+  else return dst;
+}
+template <typename T, typename B>
+inline void out_flush(const B* buf, T* dst, int64_t n) {  // B: what out_row gave
+  if constexpr (kBuffered<T>) flush(buf, dst, n);
+}
+template <typename T>
+inline std::vector<float> row_buffer() {
+  return std::vector<float>(kBuffered<T> ? kBlock : 0);
+}
 template <typename T>
 void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_t C,
                 int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int64_t a = 0; a < A; ++a) {
-    const T* xa = x + a * C * L;
-    T* ya = y + a * C * L;
-    float s = 0.f;  // row by row: short float sums, then their total
-    for (int64_t p = 0; p < P; ++p) {
-      const T* x0 = xa + 2 * p * L;
-      const T* x1 = x0 + L;
-      float sp = 0.f;
+  const int64_t blk = kBuffered<T> ? kBlock : L;  // a row in place is one block
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    std::vector<float> ub = row_buffer<T>(), vb = row_buffer<T>(), yb = row_buffer<T>();
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < A; ++a) {
+      const T* xa = x + a * C * L;
+      T* ya = y + a * C * L;
+      float s = 0.f;  // block by block: short float sums, then their total
+      for (int64_t p = 0; p < P; ++p) {
+        for (int64_t l0 = 0; l0 < L; l0 += blk) {
+          const int64_t n = std::min(blk, L - l0);
+          const auto* u = in_row(xa + 2 * p * L + l0, ub.data(), n);
+          const auto* v = in_row(xa + (2 * p + 1) * L + l0, vb.data(), n);
+          float sp = 0.f;
 #pragma omp simd reduction(+ : sp)
-      for (int64_t l = 0; l < L; ++l) {
-        const float u = ld(x0[l]), v = ld(x1[l]);
-        sp += std::sqrt(u * u + v * v + eps);
+          for (int64_t l = 0; l < n; ++l) {
+            const float ul = ld(u[l]), vl = ld(v[l]);
+            sp += std::sqrt(ul * ul + vl * vl + eps);
+          }
+          s += sp;
+        }
       }
-      s += sp;
-    }
-    if (rsum) rsum[a] = s;
-    const float inv = n_pairs / s;
-    for (int64_t ch = 0; ch < C; ++ch) {
-      const float m = w ? inv * w[ch / 2] : inv;
-      const T* xc = xa + ch * L;
-      T* yc = ya + ch * L;
+      if (rsum) rsum[a] = s;
+      const float inv = n_pairs / s;
+      for (int64_t ch = 0; ch < C; ++ch) {
+        const float m = w ? inv * w[ch / 2] : inv;
+        for (int64_t l0 = 0; l0 < L; l0 += blk) {
+          const int64_t n = std::min(blk, L - l0);
+          const auto* xr = in_row(xa + ch * L + l0, ub.data(), n);
+          T* yd = ya + ch * L + l0;
+          auto* yr = out_row(yd, yb.data());
 #pragma omp simd
-      for (int64_t l = 0; l < L; ++l) st(yc + l, ld(xc[l]) * m);
+          for (int64_t l = 0; l < n; ++l) st(yr + l, ld(xr[l]) * m);
+          out_flush(yr, yd, n);
+        }
+      }
     }
   }
 }
@@ -279,11 +270,14 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
                 int64_t A, int64_t C, int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  const int64_t blk = kBuffered<T> ? kBlock : L;  // a row in place is one block
   DwBuffers dwb(dw != nullptr, nt, P);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     float* my = dwb.mine();
     std::vector<float> gxs(C);  // per channel sum_l g x / S of this sample
+    std::vector<float> ub = row_buffer<T>(), vb = row_buffer<T>(), gub = row_buffer<T>(),
+                       gvb = row_buffer<T>(), dub = row_buffer<T>(), dvb = row_buffer<T>();
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < A; ++a) {
       const T* xa = x + a * C * L;
@@ -292,29 +286,40 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
       const float inv_s = n_pairs / rsum[a];
       float cs = 0.f;  // c / S = sum_k w g x / S
       for (int64_t ch = 0; ch < C; ++ch) {
-        const T* xc = xa + ch * L;
-        const T* gc = ga + ch * L;
         float t = 0.f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t l = 0; l < L; ++l) t += ld(gc[l]) * ld(xc[l]);
+        for (int64_t l0 = 0; l0 < L; l0 += blk) {
+          const int64_t n = std::min(blk, L - l0);
+          const auto* xr = in_row(xa + ch * L + l0, ub.data(), n);
+          const auto* gr = in_row(ga + ch * L + l0, gub.data(), n);
+          float tb = 0.f;
+#pragma omp simd reduction(+ : tb)
+          for (int64_t l = 0; l < n; ++l) tb += ld(gr[l]) * ld(xr[l]);
+          t += tb;
+        }
         gxs[ch] = t * inv_s;
         cs += (w ? w[ch / 2] : 1.f) * gxs[ch];
       }
       const float k = cs * inv_s / n_pairs;  // dx = w g / S - k x / r
       for (int64_t p = 0; p < P; ++p) {
-        const T* x0 = xa + 2 * p * L;
-        const T* x1 = x0 + L;
-        const T* g0 = ga + 2 * p * L;
-        const T* g1 = g0 + L;
-        T* d0 = da + 2 * p * L;
-        T* d1 = d0 + L;
         const float m = (w ? w[p] : 1.f) * inv_s;
+        for (int64_t l0 = 0; l0 < L; l0 += blk) {
+          const int64_t n = std::min(blk, L - l0);
+          const int64_t o0 = 2 * p * L + l0, o1 = o0 + L;  // the pair's two channels
+          const auto* u = in_row(xa + o0, ub.data(), n);
+          const auto* v = in_row(xa + o1, vb.data(), n);
+          const auto* gu = in_row(ga + o0, gub.data(), n);
+          const auto* gv = in_row(ga + o1, gvb.data(), n);
+          auto* du = out_row(da + o0, dub.data());
+          auto* dv = out_row(da + o1, dvb.data());
 #pragma omp simd
-        for (int64_t l = 0; l < L; ++l) {
-          const float u = ld(x0[l]), v = ld(x1[l]);
-          const float kr = k / std::sqrt(u * u + v * v + eps);
-          st(d0 + l, ld(g0[l]) * m - kr * u);
-          st(d1 + l, ld(g1[l]) * m - kr * v);
+          for (int64_t l = 0; l < n; ++l) {
+            const float ul = ld(u[l]), vl = ld(v[l]);
+            const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
+            st(du + l, ld(gu[l]) * m - kr * ul);
+            st(dv + l, ld(gv[l]) * m - kr * vl);
+          }
+          out_flush(du, da + o0, n);
+          out_flush(dv, da + o1, n);
         }
       }
       if (my)

@@ -44,6 +44,7 @@ __all__ = ["NAME", "available", "backward", "build_error", "forward", "unavailab
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
+HEADERS = (SOURCE.with_name("cpu_half.h"),)  # what SOURCE includes: part of the cache key
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _WKIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the weight's dtype for the kernels
 #: Elements per thread below which a call runs on one thread: waking an OpenMP team costs
@@ -98,7 +99,7 @@ def _build() -> ctypes.CDLL:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(f.read_bytes() for f in (SOURCE, *HEADERS))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     errors = []
     for flags in _flag_sets():

@@ -16,7 +16,7 @@ import torch
 
 from lightning_mrs import mrs_norm
 from lightning_mrs.ops import cpu_kernels, dispatch, which_backend
-from helpers.checks import forced, grads, make_inputs, needs_cpp
+from helpers.checks import check_against_reference, forced, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
 pytestmark = needs_cpp
@@ -46,6 +46,21 @@ def test_build_is_cached_on_disk_and_reused(fresh_build: Path, monkeypatch: pyte
                         lambda cmd, **kw: commands.append(cmd) or real_run(cmd, **kw))
     assert cpu_kernels.available()
     assert commands and not any(str(cpu_kernels.SOURCE) in map(str, cmd) for cmd in commands)  # `c++ --version` only
+
+
+def test_an_edited_header_is_a_new_build(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # the kernels include cpu_half.h: a library built from an older header must not be loaded
+    assert cpu_kernels.available()
+    first = {p.name for p in fresh_build.iterdir()}
+    (header,) = cpu_kernels.HEADERS
+    edited = tmp_path_factory.mktemp("edited") / header.name
+    edited.write_text(header.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "HEADERS", (edited,))
+    cpu_kernels._STATE.clear()
+    assert cpu_kernels.available()
+    assert len({p.name for p in fresh_build.iterdir()} - first) == 1
 
 
 def test_no_compiler_falls_back_with_one_warning_and_a_clear_error(
@@ -96,6 +111,11 @@ KERNELS = {
     "rows_per_position": ((5, 7, 64), -1, False),
     "rows_per_sample": ((3, 35, 64), -1, True),
     "nchw_per_sample": ((3, 64, 5, 7), 1, True),
+    # rows wider than the kernels' block of 512 values (kBlock): several blocks, a short one
+    "rows_per_position_wide": ((3, 2, 2 * 1024 + 6), -1, False),
+    "rows_per_sample_wide": ((2, 3, 1024 + 2), -1, True),
+    # rows of positions longer than a block (float16 goes through it): 621 = 512 + 109
+    "nchw_per_sample_wide": ((2, 4, 23, 27), 1, True),
 }
 
 
@@ -118,6 +138,15 @@ def test_results_do_not_depend_on_the_thread_count(kernel: str, monkeypatch: pyt
     torch.testing.assert_close(one[2], many[2], atol=1e-5, rtol=1e-5)  # dw: per-thread partial sums
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["rows_per_position_wide", "rows_per_sample_wide", "nchw_per_sample_wide"])
+def test_rows_wider_than_a_block_match_the_reference(kernel: str, dtype: torch.dtype) -> None:
+    # the kernels run a block of values at a time: S, c and the weight gradient gathered
+    # over every block, the weight read at each block's offset, the short last block
+    shape, channel_dim, spatial = KERNELS[kernel]
+    check_against_reference("cpp", (shape, channel_dim, spatial, None), dtype)
+
+
 def test_small_inputs_run_on_one_thread_and_large_ones_on_all() -> None:
     assert cpu_kernels.threads(2048) == 1
     assert cpu_kernels.threads(2**30) == torch.get_num_threads()
@@ -126,7 +155,7 @@ def test_small_inputs_run_on_one_thread_and_large_ones_on_all() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype) -> None:
-    # the kernel's own float -> half store (cpu_kernels.cpp, st) against torch's rounding of
+    # the kernel's own float -> half store (cpu_half.h: st and the F16C/AVX-512 conversions) against torch's rounding of
     # the same float32 maths; half inputs are exact in float32, so only the store differs.
     # Weights from 1e-7 (subnormal float16 outputs) to 3e4 (float16 overflows to inf).
     shape, channel_dim, spatial = KERNELS[kernel]

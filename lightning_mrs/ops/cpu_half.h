@@ -1,0 +1,130 @@
+// Float <-> bfloat16 / float16 conversions of the CPU kernels (cpu_kernels.cpp), and the
+// float32 row buffers the kernels convert through. Included by cpu_kernels.cpp only; part of
+// the build's cache key (lightning_mrs/ops/cpu_kernels.py).
+#pragma once
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace mrs {
+
+inline float as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t as_uint(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float ld(float v) { return v; }
+inline void st(float* p, float v) { *p = v; }
+
+struct bf16 { uint16_t bits; };
+inline float ld(bf16 v) { return as_float(static_cast<uint32_t>(v.bits) << 16); }
+inline void st(bf16* p, float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u = as_uint(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  p->bits = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// IEEE half by integer maths without branches, so that the loops vectorise (plain C++
+// conversions of _Float16 compile to one scalar vcvtph2ps per element; F16C intrinsics
+// would tie the source to x86). F. Giesen's "half <-> float" conversions, round to nearest
+// even like torch's.
+struct f16 { uint16_t bits; };
+inline float ld(f16 v) {
+  const uint32_t h = v.bits;
+  const uint32_t em = h & 0x7fffu;
+  // exponent and mantissa moved into place, rebiased by a multiply (exact, subnormals too)
+  uint32_t u = as_uint(as_float(em << 13) * 0x1p112f);
+  u |= em >= 0x7c00u ? 0x7f800000u : 0u;  // inf / NaN keep their mantissa
+  return as_float(u | ((h & 0x8000u) << 16));
+}
+inline void st(f16* p, float f) {
+  uint32_t u = as_uint(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  const uint32_t normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;  // rebias, round, shift
+  const uint32_t sub = as_uint(as_float(u) + 0.5f) - 0x3f000000u;      // the FPU rounds subnormals
+  uint32_t o = u < 0x38800000u ? sub : normal;
+  o = u >= 0x47800000u ? (u > 0x7f800000u ? 0x7e00u : 0x7c00u) : o;    // overflow: inf; NaN: qNaN
+  p->bits = static_cast<uint16_t>(o | sign);
+}
+
+// A row of T as float32: the row itself for float, else converted into buf by a contiguous
+// loop (which vectorises for every T); the pair loops of the row kernels then read float32
+// alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
+// float16 rows: the x86 conversion instructions where the compiler may use them (-march=native
+// on a CPU with F16C or AVX-512; one instruction per 8 or 16 values, the same rounding), the
+// portable integer maths for the tail and elsewhere.
+inline int64_t f16_to_f32_simd(const f16* src, float* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
+#elif defined(__F16C__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+#endif
+  return j;
+}
+inline int64_t f32_to_f16_simd(const float* src, f16* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__F16C__) || defined(__AVX512F__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // nearest even, like st
+#endif
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtps_ph(_mm512_loadu_ps(src + j), kRound));
+#elif defined(__F16C__)
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), kRound));
+#endif
+  return j;
+}
+
+template <typename T>
+inline const float* row_f32(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    int64_t j = 0;
+    if constexpr (std::is_same_v<T, f16>) j = f16_to_f32_simd(src, buf, n);
+#pragma omp simd
+    for (int64_t i = j; i < n; ++i) buf[i] = ld(src[i]);
+    return buf;
+  }
+}
+// Where a row kernel writes its float32 result: the output row itself for float, else buf.
+template <typename T>
+inline float* out_f32(T* dst, float* buf) {
+  if constexpr (std::is_same_v<T, float>) return dst;
+  else return buf;
+}
+// The result of out_f32 stored into the output row (nothing to do for float).
+template <typename T>
+inline void flush(const float* buf, T* dst, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    int64_t j = 0;
+    if constexpr (std::is_same_v<T, f16>) j = f32_to_f16_simd(buf, dst, n);
+#pragma omp simd
+    for (int64_t i = j; i < n; ++i) st(dst + i, buf[i]);
+  }
+}
+// Per-thread float32 rows for the conversions (empty for float).
+template <typename T>
+inline std::vector<float> scratch(int64_t n) {
+  return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
+}
+
+}  // namespace mrs
