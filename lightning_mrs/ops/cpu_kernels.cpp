@@ -77,8 +77,8 @@ class DwBuffers {
 // Half rows go through float32 buffers a block of kBlock values at a time: whole buffers of
 // a 4096-wide row (x, g and dx: 48 KiB) would not stay in L1 beside the weight and the
 // weight-gradient row, and the backward ran at twice float32's time per byte. A row of at
-// most kBlock channels is one block, converted once for both passes. The sample kernels
-// convert their rows of positions the same way.
+// most kBlock channels is one block, converted once for both passes. Float rows are read in
+// place, in one block. The sample kernels convert their float16 rows of positions the same way.
 constexpr int64_t kBlock = 512;  // even: a block holds whole pairs
 
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
@@ -88,7 +88,10 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
               float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  const bool one_block = L == 1 && C <= kBlock;  // the buffer still holds the row in pass 2
+  // float rows need no buffer, and blocks cost them time (each block's sum ends in a
+  // horizontal add): one block of C
+  const int64_t blk = std::is_same_v<T, float> ? C : kBlock;
+  const bool one_block = L == 1 && C <= blk;  // the buffer still holds the row in pass 2
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<float> xb = scratch<T>(kBlock), yb = scratch<T>(kBlock);
@@ -96,8 +99,8 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
     for (int64_t a = 0; a < G; ++a) {
       float s = 0.f;  // block by block: short float sums, then their total
       for (int64_t l = 0; l < L; ++l) {
-        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
-          const int64_t n = std::min(kBlock, C - j0);
+        for (int64_t j0 = 0; j0 < C; j0 += blk) {
+          const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), n);
           float sr = 0.f;
 #pragma omp simd reduction(+ : sr)
@@ -111,8 +114,8 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
       if (rsum) rsum[a] = s;
       const float inv = n_pairs / s;
       for (int64_t l = 0; l < L; ++l) {
-        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
-          const int64_t n = std::min(kBlock, C - j0);
+        for (int64_t j0 = 0; j0 < C; j0 += blk) {
+          const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
           const float* wb = kAffine ? w + j0 / 2 : nullptr;
           T* yd = y + (a * L + l) * C + j0;
@@ -135,7 +138,10 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  const bool one_block = L == 1 && C <= kBlock;  // the buffers still hold the rows in pass 2
+  // float rows need no buffer, and blocks cost them time (each block's sum ends in a
+  // horizontal add): one block of C
+  const int64_t blk = std::is_same_v<T, float> ? C : kBlock;
+  const bool one_block = L == 1 && C <= blk;  // the buffers still hold the rows in pass 2
   DwBuffers dwb(kDw, nt, P);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -146,8 +152,8 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
       const float inv_s = n_pairs / rsum[a];
       float c = 0.f;  // sum_k w g x over the group
       for (int64_t l = 0; l < L; ++l) {
-        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
-          const int64_t n = std::min(kBlock, C - j0);
+        for (int64_t j0 = 0; j0 < C; j0 += blk) {
+          const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), n);
           const float* gr = row_f32(g + (a * L + l) * C + j0, gb.data(), n);
           const float* wb = kAffine ? w + j0 / 2 : nullptr;
@@ -162,8 +168,8 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
       }
       const float k = c * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
       for (int64_t l = 0; l < L; ++l) {
-        for (int64_t j0 = 0; j0 < C; j0 += kBlock) {
-          const int64_t n = std::min(kBlock, C - j0);
+        for (int64_t j0 = 0; j0 < C; j0 += blk) {
+          const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
           const float* gr = row_f32(g + (a * L + l) * C + j0, gb.data(), one_block ? 0 : n);
           const float* wb = kAffine ? w + j0 / 2 : nullptr;
