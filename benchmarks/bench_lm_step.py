@@ -10,8 +10,9 @@ The model is a transformers ``LlamaForCausalLM`` built from a config (nothing do
 
 The swaps go through :func:`lightning_mrs.swap_norms`; a swap that converts nothing (or
 leaves a ``LlamaRMSNorm`` behind) stops the benchmark with an error rather than timing the
-unchanged model. The steps of all variants are interleaved in one process, rotated each
-round (median and fastest of the rounds), so that machine noise hits them alike.
+unchanged model. The steps of all variants are interleaved in one process, in a random order
+each round (``interleave.py``; median and fastest of the rounds), so that machine noise hits
+them alike.
 
 Usage::
 
@@ -27,11 +28,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from lightning_mrs import swap_norms
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import round_orders  # noqa: E402 - the sibling helper
+
+from lightning_mrs import swap_norms  # noqa: E402
 
 VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs"}  # name -> swap target
 
@@ -100,16 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):
             step(v)
     times: dict[str, list[float]] = {v: [] for v in models}
-    order = list(models)
-    for i in range(args.rounds):
-        for v in order[i % len(order):] + order[: i % len(order)]:  # rotated: no fixed neighbour
+    for order in round_orders(list(models), args.rounds):
+        for v in order:  # a random order each round: no fixed neighbour
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step(v)
             times[v].append((time.perf_counter() - t0) / args.steps)
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
-    base = "llama" if "llama" in med else order[0]
+    base = "llama" if "llama" in med else next(iter(models))
     print(f"Llama train step (AdamW): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
           f"bytes; {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")

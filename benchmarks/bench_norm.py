@@ -40,13 +40,17 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs import MRSNorm, MRSNorm2d
-from lightning_mrs.ops import cpu_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import round_orders  # noqa: E402 - the sibling helper
+
+from lightning_mrs import MRSNorm, MRSNorm2d  # noqa: E402
+from lightning_mrs.ops import cpu_kernels  # noqa: E402
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -169,11 +173,8 @@ def run_case(
             _step(m, x, gy)
     times: dict[str, list[float]] = {k: [] for k in mods}
     faults = dict.fromkeys(mods, 0)
-    order = list(mods)
-    for i in range(repeats):  # interleaved: every row sees the same machine state
-        # rotated each round, so that no row always follows the same one (the eager rows
-        # free many large buffers; whichever row runs next pays for fresh pages)
-        for k in order[i % len(order):] + order[: i % len(order)]:
+    for order in round_orders(list(mods), repeats):  # interleaved: every row sees the same machine state
+        for k in order:  # a random order each round: no row always follows the same one
             seconds, n_faults = _time(lambda m=mods[k]: _step(m, x, gy), inner, clock)
             times[k].append(seconds)
             faults[k] += n_faults

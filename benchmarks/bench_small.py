@@ -3,7 +3,7 @@
 Rows: the default ``MRSNorm`` module, ``nn.LayerNorm`` (the ratios' denominator),
 ``nn.RMSNorm`` and transformers' ``LlamaRMSNorm`` (if transformers is installed), each in
 inference (``torch.inference_mode``, one token when decoding) and forward+backward. All
-rows of a case are interleaved in one process, rotated each round; the figure of a round is
+rows of a case are interleaved in one process, in a random order each round (``interleave.py``); the figure of a round is
 the mean of ``--inner`` calls; the table gives the median and the fastest round.
 
 ``--profile`` also times the stages of one call of the general path (what every input that
@@ -21,13 +21,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from lightning_mrs import MRSNorm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import round_orders  # noqa: E402 - the sibling helper
+
+from lightning_mrs import MRSNorm  # noqa: E402
 
 CASES = [  # (shape, mode)
     ((1, 1, 2048), "inference"),
@@ -73,9 +78,8 @@ def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dic
         for fn in fns.values():  # warm-up
             _per_call(fn, inner)
         times: dict[str, list[float]] = {k: [] for k in fns}
-        order = list(fns)
-        for i in range(repeats):
-            for k in order[i % len(order):] + order[: i % len(order)]:
+        for order in round_orders(list(fns), repeats):  # a random order each round
+            for k in order:
                 times[k].append(_per_call(fns[k], inner))
     return times
 

@@ -5,7 +5,10 @@ its event files hold an HParams *session*: the hyperparameters and the names of 
 values it reads as the last point of those scalar tags in the same run. :func:`log_hparams` writes
 one such session with the metrics' values, at the end of a run; :class:`HParamsSummary` is the
 callback that does it when ``fit`` ends, with final metrics reduced from what the run logged
-(the last ``val/top1``, its maximum, the mean ``phasor/all/grad_cv`` ...).
+(the last ``val/top1``, its maximum, the mean ``phasor/all/grad_cv`` ...). A fit stopped by Ctrl-C
+or an error still gets its session, with what it measured up to then, the hyperparameter
+``ended`` ("interrupted", "failed: <error>"; "completed" otherwise) and the session's status
+"failure" in the dashboard.
 
 The final metrics are tagged ``z-final/<name>`` (:data:`FINAL`): TensorBoard's Time Series orders
 its tag groups by name, so ``z-final`` comes after ``train/*`` and ``val/*`` (the single points of
@@ -84,8 +87,22 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 
 @rank_zero_only
+def _session_end(status: str) -> Any:
+    """The HParams session-end summary with ``status`` ("success" or "failure")."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import metadata
+    from tensorboard.plugins.hparams.api_pb2 import Status
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo
+
+    end = SessionEndInfo(status=Status.Value(f"STATUS_{status.upper()}"))
+    content = HParamsPluginData(session_end_info=end, version=metadata.PLUGIN_DATA_VERSION)
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=metadata.PLUGIN_NAME,
+                                                                  content=content.SerializeToString()))
+    return Summary(value=[Summary.Value(tag=metadata.SESSION_END_INFO_TAG, metadata=meta)])
+
+
 def log_hparams(loggers: Iterable[Logger], params: Mapping[str, Any], metrics: Mapping[str, Optional[float]], *,
-                step: int = 0, metric_names: Optional[Sequence[str]] = None) -> None:
+                step: int = 0, metric_names: Optional[Sequence[str]] = None, status: str = "success") -> None:
     """Log ``params`` and the final ``metrics`` of a run through every logger; for TensorBoard, as an HParams
     session of the run (the HParams dashboard lists it).
 
@@ -96,7 +113,11 @@ def log_hparams(loggers: Iterable[Logger], params: Mapping[str, Any], metrics: M
         step: the step of the metrics' points (the run's last step).
         metric_names: the HParams table's metric columns (default: ``metrics``' keys). Runs of one
             sweep should name the same columns: TensorBoard takes them from one run of the log dir.
+        status: the session's status in TensorBoard: "success", or "failure" (an interrupted or
+            failed run).
     """
+    if status not in ("success", "failure"):
+        raise ValueError(f"log_hparams: status must be 'success' or 'failure', got {status!r}.")
     from torch.utils.tensorboard.summary import hparams, scalar
     from torch.utils.tensorboard.writer import FileWriter
 
@@ -110,7 +131,8 @@ def log_hparams(loggers: Iterable[Logger], params: Mapping[str, Any], metrics: M
             try:
                 for name, value in values.items():
                     writer.add_summary(scalar(name, value), step)
-                for summary in hparams(flat, {name: 0.0 for name in names}):  # only the names are used
+                experiment, start, _ = hparams(flat, {name: 0.0 for name in names})  # only the names are used
+                for summary in (experiment, start, _session_end(status)):
                     writer.add_summary(summary, step)
             finally:
                 writer.close()
@@ -275,10 +297,21 @@ class HParamsSummary(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(trainer, pl_module, "completed", "success")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # nothing lost on a crash: the session of what was measured up to the interruption
+        if trainer.state.fn == "fit":
+            ended = "interrupted" if isinstance(exception, KeyboardInterrupt) else f"failed: {type(exception).__name__}"
+            self._log(trainer, pl_module, ended, "failure")
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ended: str, status: str) -> None:
         loggers = [lg for lg in trainer.loggers if lg is not self._tap]
         if loggers and trainer.is_global_zero:
-            log_hparams(loggers, self.params(trainer, pl_module), self.final_metrics(), step=trainer.global_step,
-                        metric_names=list(self.summary))
+            params = {**self.params(trainer, pl_module), "ended": ended}
+            log_hparams(loggers, params, self.final_metrics(), step=trainer.global_step,
+                        metric_names=list(self.summary), status=status)
 
     @override
     def state_dict(self) -> dict[str, Any]:

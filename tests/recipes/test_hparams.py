@@ -5,8 +5,10 @@ against what the run logged."""
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 from torch import nn
 
@@ -17,7 +19,7 @@ from helpers.scripts import results_rows, run_script
 from helpers.tensorboard import get_json, post_json, tensorboard_server, time_series_groups
 from lightning_mrs import MRSNorm2d
 from lightning_mrs.callbacks import GradientHomogeneityMonitor
-from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, flatten_params
+from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, flatten_params, log_hparams
 
 GRID = ["--dataset", "digits", "--norms", "layer", "mrs", "--lrs", "0.1", "--batch-sizes", "16", "--seeds", "0",
         "--max-steps", "3", "--log-every", "1", "--mrs-backend", "eager", "--accelerator", "cpu", "--jobs", "1"]
@@ -111,3 +113,66 @@ def test_summary_checks_its_table() -> None:
     assert set(CLASSIFIER_SUMMARY) >= {"z-final/top1", "z-final/best_top1", "z-final/val_loss", "z-final/diverged",
                                        "z-final/mean_grad_cv", "z-final/mean_starved_frac", "z-final/max_logit"}
     assert flatten_params({"a": {"b": True}, "_private": 1, "c": math.pi}) == {"a/b": "True", "c": math.pi}
+
+
+class _StopAt(pl.Callback):
+    """Raises ``error`` after ``step`` optimizer steps (Ctrl-C is a KeyboardInterrupt)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error = step, error
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            raise self.error
+
+
+def _session(log_dir: str) -> tuple[dict, str, dict]:
+    """(hyperparameters, session status, final metrics) of the HParams session in ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    acc = EventAccumulator(log_dir)
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")
+    start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+    params = {k: (v.string_value or v.number_value) for k, v in start.hparams.items()}
+    finals = {tag: acc.Scalars(tag)[-1] for tag in acc.Tags()["scalars"] if tag.startswith("z-final/")}
+    return params, api_pb2.Status.Name(end.status), finals
+
+
+@pytest.mark.parametrize("error, ended", [(KeyboardInterrupt(), "interrupted"), (RuntimeError("boom"), "failed: RuntimeError")])
+def test_an_interrupted_or_failed_fit_keeps_its_session(tmp_path: Path, error: BaseException, ended: str) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    rec = RecordingLogger()
+    tb = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)
+    summary = {"z-final/train_loss": ("train/loss", "last"), "z-final/best_loss": ("train/loss", "min")}
+    handler = signal.getsignal(signal.SIGINT)  # Lightning ignores Ctrl-C from then on: restored below
+    try:
+        with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+            fit(net, steps=6, logger=[tb, rec], data=image_data(16, (6, 6)), batch_size=2,
+                callbacks=[HParamsSummary(summary), _StopAt(3, error)])
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    params, status, finals = _session(tb.log_dir)
+    assert params["ended"] == ended and status == "STATUS_FAILURE"
+    loss = [v for _, v in sorted(rec.history["train/loss"].items())]
+    assert 0 < len(loss) < 6  # the steps logged before the interruption, not a whole run
+    assert finals["z-final/train_loss"].value == pytest.approx(loss[-1], rel=1e-6)
+    assert finals["z-final/best_loss"].value == pytest.approx(min(loss), rel=1e-6)
+    assert finals["z-final/train_loss"].step == 3
+
+
+def test_a_completed_fit_is_a_successful_session(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    tb = TensorBoardLogger(tmp_path, name="run", default_hp_metric=False)
+    fit(net, steps=2, logger=tb, data=image_data(16, (6, 6)), callbacks=[HParamsSummary({"z-final/loss": ("train/loss", "last")})])
+    params, status, _ = _session(tb.log_dir)
+    assert params["ended"] == "completed" and status == "STATUS_SUCCESS"
+
+
+def test_log_hparams_checks_the_status() -> None:
+    with pytest.raises(ValueError, match=r"log_hparams: status must be 'success' or 'failure', got 'ok'"):
+        log_hparams([], {}, {}, status="ok")

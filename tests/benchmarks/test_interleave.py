@@ -1,0 +1,42 @@
+"""The benchmarks' round orders (``benchmarks/interleave.py``): every row follows every other about
+equally often, which a rotation of one fixed order does not give."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from itertools import pairwise
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from interleave import round_orders  # noqa: E402
+
+
+def _followers(orders: list[list[str]]) -> Counter:
+    """(row, the row that ran just before it) over all rounds, the rounds run back to back."""
+    flat = [name for order in orders for name in order]
+    return Counter((b, a) for a, b in pairwise(flat))
+
+
+def test_each_round_is_a_permutation_and_the_seed_fixes_them() -> None:
+    names = ["default", "native", "inductor", "eager"]
+    orders = round_orders(names, 50)
+    assert len(orders) == 50 and all(sorted(o) == sorted(names) for o in orders)
+    assert round_orders(names, 50) == orders and round_orders(names, 50, seed=1) != orders
+
+
+def test_every_row_follows_every_other_about_equally_often() -> None:
+    names = ["default", "native", "inductor", "eager"]
+    rounds = 400
+    counts = _followers(round_orders(names, rounds))
+    # 4 rows, 400 rounds: each of the 12 (row, predecessor) pairs is expected 100 times inside
+    # the rounds and 25 times across their seams (399 seams over 16 pairs): 125, binomial
+    # spread about +-11
+    for row in names:
+        for before in names:
+            if row != before:
+                assert 90 <= counts[(row, before)] <= 160, (row, before, counts[(row, before)])
+    # what a rotation gives instead: "default" always after "eager", never after "native"
+    rotated = [names[i % 4:] + names[: i % 4] for i in range(rounds)]
+    assert _followers(rotated)[("default", "native")] == 0
