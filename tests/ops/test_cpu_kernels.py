@@ -182,3 +182,21 @@ def test_float16_loads_every_finite_value_exactly() -> None:
     x = x[: x.numel() // 64 * 64].view(-1, 64)  # (rows, 64)
     y = forced("cpp")(x, None)
     torch.testing.assert_close(y, forced("cpp")(x.float(), None).to(torch.float16), atol=0, rtol=0)
+
+
+def test_the_portable_build_converts_float16_like_torch(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the build without -march=native (a compiler that refuses it) has no F16C: every float16
+    # value goes through the integer conversions of cpu_half.h, which must agree with torch too
+    portable = cpu_kernels._flag_sets()[1]
+    assert "-march=native" not in portable
+    monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [portable])
+    assert cpu_kernels.available(torch.float16)
+    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.float16)
+    x = x[x.isfinite()]
+    x = x[: x.numel() // 64 * 64].view(-1, 64)  # (rows, 64): every finite float16
+    torch.testing.assert_close(forced("cpp")(x, None), forced("cpp")(x.float(), None).to(torch.float16), atol=0, rtol=0)
+    w = torch.logspace(-7, 4.5, 32).to(torch.float16)  # subnormal outputs up to overflow
+    xs = torch.randn(9, 64).to(torch.float16)
+    assert torch.equal(forced("cpp")(xs, w), forced("cpp")(xs.float(), w.float()).to(torch.float16))
+
