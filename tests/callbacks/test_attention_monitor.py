@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers.ddp import assert_same_history, read_history, run_job, split_fit
+from helpers.ddp import ddp_matches_single_process, split_fit
 from helpers.lightning import ManualModule, TinyModule, conv_net, fit, image_data
 from helpers.recording_logger import RecordingLogger, monitor_tag
 from helpers.reference import attention_ref, mrs_norm_ref
@@ -392,11 +392,8 @@ def run(devices: int, out: str = "") -> dict[str, dict[int, float]]:
 
 
 def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
-    out = tmp_path / "rank0.json"
-    proc = run_job(Path(__file__).resolve(), str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    single = run(devices=1)
-    tags = assert_same_history(read_history(out), single, "attention/", STEPS, rel=1e-5, abs=1e-6)
+    tags, single = ddp_matches_single_process(Path(__file__).resolve(), run, tmp_path / "rank0.json", "attention/",
+                                              STEPS, rel=1e-5, abs=1e-6)
     assert {"z-layers/attention/net.blocks.0.attn/entropy_min", "attention/all/logit_max", "attention/all/q_norm_mean"} <= tags
     assert all(math.isfinite(value) for tag in tags for value in single[tag].values())
 

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from helpers.ddp import assert_same_history, read_history, run_job, split_fit
+from helpers.ddp import ddp_matches_single_process, split_fit
 from helpers.lightning import ManualModule, TinyModule, fit, image_data
 from helpers.monitors import assert_state_round_trip, tensorboard_run
 from helpers.outliers import PLANTED, all_figure, planted_net, planted_reference
@@ -320,11 +320,8 @@ def run(devices: int, out: str = "") -> dict[str, dict[int, float]]:
 
 
 def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
-    out = tmp_path / "rank0.json"
-    proc = run_job(Path(__file__).resolve(), str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    single = run(devices=1)
-    tags = assert_same_history(read_history(out), single, "outlier/", STEPS, rel=1e-5, abs=1e-7)
+    tags, single = ddp_matches_single_process(Path(__file__).resolve(), run, tmp_path / "rank0.json", "outlier/",
+                                              STEPS, rel=1e-5, abs=1e-7)
     assert {"z-layers/outlier/net.1/outlier_ratio", "z-layers/outlier/net.4.norm/kurtosis", "outlier/all/fp16_overflow_frac"} <= tags
     assert all(math.isfinite(value) for tag in tags for value in single[tag].values())
 

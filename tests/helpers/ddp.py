@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -27,7 +27,8 @@ from helpers import ROOT
 from helpers.lightning import fit
 from helpers.recording_logger import RecordingLogger, monitor_tag
 
-__all__ = ["DumpHistory", "RankStride", "assert_same_history", "free_port", "read_history", "run_job", "split_fit"]
+__all__ = ["DumpHistory", "RankStride", "assert_same_history", "ddp_matches_single_process", "free_port", "read_history",
+           "run_job", "split_fit"]
 
 History = dict[str, dict[int, float]]  # tag -> step -> value
 
@@ -109,3 +110,16 @@ def assert_same_history(ddp: History, single: History, prefix: str, steps: int, 
         for step, value in single[tag].items():
             assert ddp[tag][step] == pytest.approx(value, rel=rel, abs=abs), (tag, step)
     return tags
+
+
+def ddp_matches_single_process(script: Path, run: Callable[..., History], out: Path, prefix: str, steps: int,
+                               rel: float, abs: float) -> tuple[set[str], History]:
+    """Run ``script`` as a 2-process job writing rank 0's history to ``out`` (its ``__main__``
+    calls ``run(devices=2, out=...)``), then ``run(devices=1)`` here, and check both logged the
+    same tags under ``prefix`` (:func:`assert_same_history`); returns the tags and the single
+    process's history."""
+    proc = run_job(script, str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single = run(devices=1)
+    return assert_same_history(read_history(out), single, prefix, steps, rel=rel, abs=abs), single
+
