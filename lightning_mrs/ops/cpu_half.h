@@ -38,9 +38,9 @@ inline void st(bf16* p, float f) {  // round to nearest even, NaN stays NaN
 }
 
 // IEEE half by integer maths without branches, so that the loops vectorise (plain C++
-// conversions of _Float16 compile to one scalar vcvtph2ps per element; F16C intrinsics
-// would tie the source to x86). F. Giesen's "half <-> float" conversions, round to nearest
-// even like torch's.
+// conversions of _Float16 compile to one scalar vcvtph2ps per element): every CPU, and the
+// tails of the x86 conversions below. F. Giesen's "half <-> float" conversions, round to
+// nearest even like torch's.
 struct f16 { uint16_t bits; };
 inline float ld(f16 v) {
   const uint32_t h = v.bits;
@@ -61,12 +61,9 @@ inline void st(f16* p, float f) {
   p->bits = static_cast<uint16_t>(o | sign);
 }
 
-// A row of T as float32: the row itself for float, else converted into buf by a contiguous
-// loop (which vectorises for every T); the pair loops of the row kernels then read float32
-// alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
-// float16 rows: the x86 conversion instructions where the compiler may use them (-march=native
-// on a CPU with F16C or AVX-512; one instruction per 8 or 16 values, the same rounding), the
-// portable integer maths for the tail and elsewhere.
+// float16 rows with the x86 conversion instructions where the compiler may use them
+// (-march=native on a CPU with F16C or AVX-512; one instruction per 8 or 16 values, the same
+// rounding). Each converts the first values of the row and returns how many; ld / st do the rest.
 inline int64_t f16_to_f32_simd(const f16* src, float* dst, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -93,6 +90,9 @@ inline int64_t f32_to_f16_simd(const float* src, f16* dst, int64_t n) {
   return j;
 }
 
+// A row of T as float32: the row itself for float, else converted into buf by contiguous
+// loops (which vectorise for every T); the pair loops of the row kernels then read float32
+// alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
 template <typename T>
 inline const float* row_f32(const T* src, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {

@@ -80,6 +80,12 @@ class DwBuffers {
 // most kBlock channels is one block, converted once for both passes. Float rows are read in
 // place, in one block. The sample kernels convert their float16 rows of positions the same way.
 constexpr int64_t kBlock = 512;  // even: a block holds whole pairs
+// The block of a row of C channels: float rows need no buffer, and blocks cost them time (each
+// block's sum ends in a horizontal add), so they are one block of C.
+template <typename T>
+constexpr int64_t row_block(int64_t C) {
+  return std::is_same_v<T, float> ? C : kBlock;
+}
 
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
 // innermost loops carry no branch (w = 1 without a weight, which is exact).
@@ -88,9 +94,7 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
               float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  // float rows need no buffer, and blocks cost them time (each block's sum ends in a
-  // horizontal add): one block of C
-  const int64_t blk = std::is_same_v<T, float> ? C : kBlock;
+  const int64_t blk = row_block<T>(C);
   const bool one_block = L == 1 && C <= blk;  // the buffer still holds the row in pass 2
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -138,9 +142,7 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  // float rows need no buffer, and blocks cost them time (each block's sum ends in a
-  // horizontal add): one block of C
-  const int64_t blk = std::is_same_v<T, float> ? C : kBlock;
+  const int64_t blk = row_block<T>(C);
   const bool one_block = L == 1 && C <= blk;  // the buffers still hold the rows in pass 2
   DwBuffers dwb(kDw, nt, P);
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -225,12 +227,17 @@ template <typename T>
 inline std::vector<float> row_buffer() {
   return std::vector<float>(kBuffered<T> ? kBlock : 0);
 }
+// The block of a row of L positions: a row read in place is one block.
+template <typename T>
+constexpr int64_t positions_block(int64_t L) {
+  return kBuffered<T> ? kBlock : L;
+}
 template <typename T>
 void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_t C,
                 int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  const int64_t blk = kBuffered<T> ? kBlock : L;  // a row in place is one block
+  const int64_t blk = positions_block<T>(L);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<float> ub = row_buffer<T>(), vb = row_buffer<T>(), yb = row_buffer<T>();
@@ -276,7 +283,7 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
                 int64_t A, int64_t C, int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  const int64_t blk = kBuffered<T> ? kBlock : L;  // a row in place is one block
+  const int64_t blk = positions_block<T>(L);
   DwBuffers dwb(dw != nullptr, nt, P);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
