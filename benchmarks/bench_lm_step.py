@@ -27,14 +27,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleave import round_orders  # noqa: E402 - the sibling helper
+from interleave import time_steps  # noqa: E402 - the sibling helper
 
 from lightning_mrs import swap_norms  # noqa: E402
 
@@ -101,16 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         models[v](input_ids=tokens, labels=tokens).loss.backward()
         opts[v].step()
 
-    for v in models:  # warm-up: allocator, first-call kernel builds
-        for _ in range(2):
-            step(v)
-    times: dict[str, list[float]] = {v: [] for v in models}
-    for order in round_orders(list(models), args.rounds):
-        for v in order:  # a random order each round: no fixed neighbour
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(v)
-            times[v].append((time.perf_counter() - t0) / args.steps)
+    times = time_steps(step, list(models), args.rounds, args.steps)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))

@@ -3,8 +3,8 @@
 Variants: ``batch`` (torchvision's BatchNorm2d), ``group`` (``GroupNorm(1, C)``, the usual
 "LayerNorm" of a ResNet) and ``mrs`` (every BatchNorm2d replaced by the default
 ``MRSNorm2d(C, spatial=True)``, through ``lightning_mrs.swap_norms(model, target="mrs")``).
-The steps are interleaved in one process (median of the rounds), so the
-ratios are fair even on a busy machine.
+The steps are interleaved in one process, in a random order each round (``interleave.py``;
+median of the rounds), so the ratios are fair even on a busy machine.
 
 Usage::
 
@@ -17,13 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from lightning_mrs import swap_norms
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import time_steps  # noqa: E402 - the sibling helper
+
+from lightning_mrs import swap_norms  # noqa: E402
 
 
 def resnet18_cifar(num_classes: int = 100) -> nn.Module:
@@ -92,16 +96,7 @@ def main(argv=None) -> int:
         loss_fn(models[v](x), y).backward()
         opts[v].step()
 
-    for v in models:  # warm-up: first-call compiles, allocator
-        for _ in range(2):
-            step(v)
-    times: dict[str, list[float]] = {v: [] for v in models}
-    for _ in range(args.rounds):
-        for v in models:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(v)
-            times[v].append((time.perf_counter() - t0) / args.steps)
+    times = time_steps(step, list(models), args.rounds, args.steps)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     base = "batch" if "batch" in med else next(iter(med))
     print(f"ResNet-18 (CIFAR stem) train step, batch {args.batch}, {torch.get_num_threads()} "

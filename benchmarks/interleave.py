@@ -1,5 +1,5 @@
 """The order of the rows in each round of an interleaved benchmark (``bench_norm``, ``bench_small``,
-``bench_lm_step``).
+``bench_lm_step``, ``bench_train_step``), and the timing loop of the two training-step benchmarks.
 
 Rows are timed in turns within one process, so that machine noise hits them alike. What a row
 leaves behind (caches filled with its buffers, large blocks freed for the next allocation) costs
@@ -12,9 +12,10 @@ the caches) in every round. Each round here is a fresh, seeded random permutatio
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
-__all__ = ["round_orders"]
+__all__ = ["round_orders", "time_steps"]
 
 
 def round_orders(names: Sequence[str], rounds: int, seed: int = 0) -> list[list[str]]:
@@ -26,3 +27,22 @@ def round_orders(names: Sequence[str], rounds: int, seed: int = 0) -> list[list[
     """
     rng = random.Random(seed)
     return [rng.sample(list(names), len(names)) for _ in range(rounds)]
+
+
+def time_steps(step: Callable[[str], None], names: Sequence[str], rounds: int, steps: int,
+               warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per ``step(name)`` for every name: ``warmup`` untimed calls each (allocator,
+    first-call compiles), then ``rounds`` rounds in :func:`round_orders`, each the mean of
+    ``steps`` calls."""
+    for name in names:
+        for _ in range(warmup):
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for order in round_orders(names, rounds):
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(name)
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
+

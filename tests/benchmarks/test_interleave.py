@@ -10,7 +10,7 @@ from itertools import pairwise
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from interleave import round_orders  # noqa: E402
+from interleave import round_orders, time_steps  # noqa: E402
 
 
 def _followers(orders: list[list[str]]) -> Counter:
@@ -40,3 +40,16 @@ def test_every_row_follows_every_other_about_equally_often() -> None:
     # what a rotation gives instead: "default" always after "eager", never after "native"
     rotated = [names[i % 4:] + names[: i % 4] for i in range(rounds)]
     assert _followers(rotated)[("default", "native")] == 0
+
+
+def test_time_steps_warms_up_then_times_every_name_once_a_round() -> None:
+    calls: list[str] = []
+    times = time_steps(calls.append, ["a", "b", "c"], rounds=4, steps=3, warmup=2)
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]  # the untimed warm-up
+    timed = calls[6:]
+    assert len(timed) == 4 * 3 * 3 and Counter(timed) == {"a": 12, "b": 12, "c": 12}
+    rounds = [timed[i:i + 9] for i in range(0, len(timed), 9)]
+    assert [[r[j] for j in range(0, 9, 3)] for r in rounds] == round_orders(["a", "b", "c"], 4)
+    assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for v in times.values() for t in v)
+
