@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from lightning_mrs.attention_stats import LAYOUTS
 from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
-from lightning_mrs.callbacks.capture import reduce_over_ranks
+from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
 from lightning_mrs.callbacks.monitor_base import check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
@@ -148,13 +148,17 @@ class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
     def _discover(self, pl_module: pl.LightningModule) -> list[WatchedLayer]:
         found = list(iter_attention_layers(pl_module))
         # a q_norm/k_norm module that two hooks would share (within a layer or across layers)
-        uses = Counter(id(m) for _, module, _ in found for m in (module.q_norm, module.k_norm))
+        def norms(module: nn.Module, info: AttentionInfo) -> list[nn.Module]:
+            return [getattr(module, attr) for attr in info.qk_attrs]  # q_norm/k_norm (Phi: q_layernorm/k_layernorm)
+
+        uses = Counter(id(m) for _, module, info in found for m in norms(module, info))
         layers, skipped, unseen = [], [], []
         for name, module, info in found:
+            name = display_name(name)
             if not self._included(name):
                 continue
             reason = _skip_reason(info)
-            if reason is None and (uses[id(module.q_norm)] > 1 or uses[id(module.k_norm)] > 1):
+            if reason is None and any(uses[id(m)] > 1 for m in norms(module, info)):
                 reason = ("its q_norm or k_norm module is shared (with k_norm or another layer), so hooks cannot "
                           "tell q from k")
             if reason is not None:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from lightning_mrs.attention_stats import (
     FIGURE_NAMES, AttentionSums, aggregate_figures, attention_figures, attention_sums,
 )
-from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
+from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype, to_host
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo
 
@@ -97,8 +97,8 @@ class AttentionCapture:
             return
         self._pending = {layer.name: {} for layer in self.layers}
         for layer in self.layers:
-            for role in ("q", "k"):
-                norm = getattr(layer.module, f"{role}_norm")
+            for role, attr in zip(("q", "k"), layer.info.qk_attrs):  # q_norm/k_norm, Phi's q_layernorm/k_layernorm
+                norm = getattr(layer.module, attr)
                 self._handles.append(norm.register_forward_hook(partial(self._hook, layer, role)))
 
     def disarm(self) -> None:
@@ -153,7 +153,7 @@ def step_metrics(layers: Sequence[WatchedLayer], sums: Mapping[str, AttentionSum
         on_device[layer.name, "queries"] = sums[layer.name].queries
     if not on_device:
         return {}
-    host = apply_flat(on_device, torch.Tensor.cpu, torch.float64)  # the one device-to-host copy
+    host = to_host(on_device, torch.float64)  # the one device-to-host copy
     rows: dict[str, dict[str, Tensor]] = {}
     for layer in layers:
         if host[layer.name, "queries"].item() <= 0:

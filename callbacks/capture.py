@@ -22,7 +22,8 @@ from typing import Any, Callable, Hashable, Mapping, Optional, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["Warn", "apply_flat", "no_warning", "reduce_over_ranks", "sums_dtype"]
+__all__ = ["Warn", "apply_flat", "display_name", "eager_while_capturing", "no_warning", "reduce_over_ranks",
+           "sums_dtype", "to_host"]
 
 Warn = Callable[[str, str], None]  # (once-key, message)
 K = TypeVar("K", bound=Hashable)
@@ -55,6 +56,57 @@ def apply_flat(named: Mapping[K, Tensor], fn: Callable[[Tensor], Tensor], dtype:
     flat = fn(torch.cat([v.reshape(-1).to(dtype) for v in values]))  # (sum of numels,)
     parts = flat.split([v.numel() for v in values])
     return {key: part.reshape(v.shape) for (key, v), part in zip(named.items(), parts)}
+
+
+def to_host(named: Mapping[K, Tensor], dtype: torch.dtype) -> dict[K, Tensor]:
+    """:func:`apply_flat` to the CPU in ``dtype``: concatenated on the device in its widest float
+    (:func:`sums_dtype`), one device-to-host copy, then the cast (MPS has no float64).
+
+    Example:
+        >>> to_host({"n": torch.tensor(3), "s": torch.ones(2)}, torch.float64)["s"].dtype
+        torch.float64
+    """
+    values = list(named.values())
+    if not values:
+        return {}
+    return apply_flat(named, lambda flat: flat.cpu().to(dtype), dtype=sums_dtype(values[0].device))
+
+
+def display_name(name: str) -> str:
+    """A layer's name as the monitors log it: without ``torch.compile``'s ``_orig_mod`` step, so
+    that a compiled run's tags are the eager run's."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+class _EagerStance:
+    """While any monitor's capture is open, compiled code runs eagerly.
+
+    Hooks registered after ``torch.compile`` traced a module are not called by the compiled code
+    (dynamo does not guard on hooks), so a capture's hooks would see nothing. The logging batch
+    therefore runs with ``torch.compiler.set_stance("force_eager")`` (compiled graphs are kept and
+    used again from the next batch); the previous stance comes back when the last capture closes.
+    """
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._stance: Any = None
+
+    def enter(self) -> None:
+        if self._depth == 0 and hasattr(torch.compiler, "set_stance"):
+            self._stance = torch.compiler.set_stance("force_eager")  # set now; holds the previous stance
+        self._depth += 1
+
+    def exit(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0 and self._stance is not None:
+            self._stance.__exit__(None, None, None)  # back to the stance before the first capture
+            self._stance = None
+
+
+#: the one stance guard of the process (several monitors may capture in the same batch)
+eager_while_capturing = _EagerStance()
 
 
 def no_warning(key: str, message: str) -> None:

@@ -42,6 +42,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mrs.callbacks.capture import display_name
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
 from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_fraction
@@ -149,6 +150,7 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     def _discover(self, pl_module: pl.LightningModule) -> list[MonitoredLayer]:
         layers, skipped = [], []
         for name, module, spec in iter_norm_layers(pl_module):
+            name = display_name(name)
             if not self._included(name):
                 continue
             reason = _skip_reason(spec)

@@ -35,7 +35,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_mrs.callbacks.capture import apply_flat
+from lightning_mrs.callbacks.capture import to_host
 from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
@@ -91,7 +91,7 @@ def step_report(
     on_device: dict[tuple[str, ...], Tensor] = {("all", stat): v for stat, v in agg.items()}
     on_device.update({("layer", name, stat): v for name, row in rows.items() for stat, v in row.items()})
     on_device.update({("weight", name, stat): v for name, row in weights.items() for stat, v in row.items()})
-    host = {key: v.item() for key, v in apply_flat(on_device, torch.Tensor.cpu, torch.float64).items()}  # one copy
+    host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # one copy
 
     metrics: dict[str, float] = {}
     nonfinite_by_layer: dict[str, int] = {}

@@ -14,6 +14,10 @@ class is that common part:
 * ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
   optimization, every batch under manual) closes it and hands it to :meth:`_finish`;
   an exception or teardown drops it;
+* while a capture is open, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``,
+  :data:`~lightning_mrs.callbacks.capture.eager_while_capturing`): hooks registered on a model
+  after ``torch.compile`` traced it are not called by compiled code, so the logging batch runs
+  without compilation and the figures are those of the eager model;
 * :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
   monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`);
 * ``state_dict`` keeps ``n_logs`` and the logging-step count.
@@ -30,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mrs.callbacks.capture import eager_while_capturing
 from lightning_mrs.callbacks.logging_steps import LoggingSteps
 from lightning_mrs.callbacks.tb_layout import Dashboard, tensorboard_experiment
 
@@ -165,8 +170,16 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
 
     def _drop_capture(self) -> None:
         if self._capture is not None:
-            self._capture.close()
-            self._capture = None
+            capture, self._capture = self._capture, None
+            self._close(capture)
+
+    @staticmethod
+    def _close(capture: StepCapture) -> None:
+        """Close a capture: its hooks removed, compiled code compiled again (:data:`eager_while_capturing`)."""
+        try:
+            capture.close()
+        finally:
+            eager_while_capturing.exit()
 
     def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
         """Warn (once) when no logging step lies in ``[start, end)``."""
@@ -216,6 +229,7 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
         layers = self._discover(pl_module)
         if layers:
             self._capture = self._open_capture(layers, step, pl_module)
+            eager_while_capturing.enter()  # hooks on a compiled model fire only in eager code
 
     @override
     def on_train_batch_end(
@@ -226,7 +240,7 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
             # automatic optimization logs the batch that steps; manual logs every batch
             if capture is not None and (capture.stepped or LoggingSteps.manual(pl_module)):
                 self._capture = None
-                capture.close()  # no hook may fire during the collective / logging
+                self._close(capture)  # no hook may fire during the collective / logging
                 try:
                     self._finish(trainer, capture)
                 finally:

@@ -90,6 +90,10 @@ class NormSwap(Callback):
     def __init__(self, target: Union[str, SwapOptions] = "mrs", *, verbose: bool = True, **options: Any) -> None:
         check_bool("NormSwap", "verbose", verbose)
         self.options = SwapOptions.of(target, "NormSwap", **options)
+        if self.options.init == "calibrate":
+            raise ValueError("NormSwap: init='calibrate' needs calibration data, which a callback does not have at setup; "
+                             "call lightning_mrs.swap_norms(model, ..., init='calibrate', calibration=batch) in your "
+                             "LightningModule's __init__ and drop the callback, or use init='inherit'.")
         self.verbose = verbose
         self.report: Optional[SwapReport] = None
         self._layers: dict[str, LayerRecord] = {}  # what the swap built: the checkpoint record

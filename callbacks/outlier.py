@@ -29,13 +29,15 @@ logging, warnings, state) is
 
 from __future__ import annotations
 
+import dataclasses
+
 from functools import partial
 from typing import Optional, Sequence
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_mrs.callbacks.capture import reduce_over_ranks
+from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
 from lightning_mrs.callbacks.outlier_report import OUTLIER, OutlierCapture, WatchedNorm, find_norm_inputs, step_metrics
 from lightning_mrs.outlier_stats import FIGURE_NAMES
@@ -104,9 +106,10 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
     @override
     def _discover(self, pl_module: pl.LightningModule) -> list[WatchedNorm]:
         found, unwatchable = find_norm_inputs(pl_module)
+        found = [dataclasses.replace(layer, name=display_name(layer.name)) for layer in found]
         layers = [layer for layer in found if self._included(layer.name)]
-        skipped = [f"{name or 'root'} ({type(pl_module.get_submodule(name)).__name__}: {reason})"
-                   for name, reason in unwatchable if self._included(name)]
+        skipped = [f"{display_name(name) or 'root'} ({type(pl_module.get_submodule(name)).__name__}: {reason})"
+                   for name, reason in unwatchable if self._included(display_name(name))]
         if skipped:
             self._warn_once("skipped:" + ";".join(skipped),
                             "OutlierMonitor: cannot watch these norm-like modules: " + "; ".join(skipped) + ".")

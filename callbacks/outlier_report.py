@@ -48,9 +48,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
+from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype, to_host
 from lightning_mrs.callbacks.tb_layout import OUTLIER
 from lightning_mrs.outlier_stats import OutlierSums, aggregate_figures, defined, outlier_figures, outlier_sums
+from lightning_mrs.swap.probe import looks_like_norm
 from lightning_mrs.swap.registry import norm_spec
 
 __all__ = ["OUTLIER", "OutlierCapture", "WatchedNorm", "find_norm_inputs", "step_metrics"]
@@ -109,7 +110,7 @@ def find_norm_inputs(model: nn.Module) -> tuple[list[WatchedNorm], list[tuple[st
             by_shape = spec.kind == "custom"  # forward overridden: the registry's layout is a guess
             channels = None if spec.kind == "lazy" else spec.num_channels
             watched.append(WatchedNorm(name, module, None if by_shape else spec.channel_dim, channels, spec.kind))
-        elif "Norm" in type(module).__name__ and not type(module).__module__.startswith("torch.nn.utils"):
+        elif looks_like_norm(module):
             channels = _channel_count(module)
             if channels is not None:
                 watched.append(WatchedNorm(name, module, None, channels, "by name"))
@@ -215,7 +216,7 @@ def step_metrics(layers: Sequence[WatchedNorm], sums: Mapping[str, OutlierSums],
         on_device.update({(layer.name, count): getattr(s, count) for count in _COUNTS})
     if not on_device:
         return {}
-    host = {key: v.item() for key, v in apply_flat(on_device, torch.Tensor.cpu, torch.float64).items()}  # one copy
+    host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # one copy
     rows: dict[str, dict[str, float]] = {}
     for layer in layers:
         counts = [host[layer.name, count] for count in _COUNTS]

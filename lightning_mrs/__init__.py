@@ -9,6 +9,7 @@ The Lightning callbacks live in :mod:`lightning_mrs.callbacks` (imported on dema
 from lightning_mrs.attention_stats import AttentionSums, attention_figures, attention_sums, query_sample
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
 from lightning_mrs.ops import mrs_norm, mrs_scale
+from lightning_mrs.pretrained import from_pretrained
 from lightning_mrs.stats import aggregate_stats, layer_stats, phasor_sums, weight_grad_stats
 from lightning_mrs.swap import (
     QK_NORMS,
@@ -17,6 +18,7 @@ from lightning_mrs.swap import (
     LayerNorm2d,
     NormAct,
     NormSpec,
+    OffsetRMSNorm,
     RMSNorm2d,
     SwapOptions,
     SwapReport,
@@ -27,13 +29,13 @@ from lightning_mrs.swap import (
     register_norm,
     swap_norms,
 )
+from lightning_mrs.version import __version__
 
 __all__ = [
     "MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale",
-    "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "NormAct",
-    "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS",
+    "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "OffsetRMSNorm", "NormAct",
+    "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS", "from_pretrained",
     "QK_NORMS", "AttentionInfo", "iter_attention_layers", "expose_attention",
     "phasor_sums", "layer_stats", "aggregate_stats", "weight_grad_stats",
     "AttentionSums", "attention_sums", "attention_figures", "query_sample",
 ]
-__version__ = "0.2.0"

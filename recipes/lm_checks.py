@@ -12,17 +12,18 @@ from collections import Counter
 from torch import nn
 
 from lightning_mrs.swap import SwapReport, iter_attention_layers
+from lightning_mrs.swap.attention_info import is_qk_name
+from lightning_mrs.swap.probe import looks_like_norm
 from recipes.errors import UsageError
 from recipes.models import check_qk_norms
 
 __all__ = ["check_swap", "norm_like"]
 
-_QK_LEAVES = ("q_norm", "k_norm")
-
 
 def norm_like(model: nn.Module) -> Counter:
-    """Class name -> count of the modules whose class is called like a norm (``*Norm*``)."""
-    return Counter(type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower())
+    """Class name -> count of the modules named like a norm (the swap's and monitors' rule,
+    :func:`lightning_mrs.swap.probe.looks_like_norm`)."""
+    return Counter(type(m).__name__ for m in model.modules() if looks_like_norm(m))
 
 
 def check_swap(model: nn.Module, arch: str, norm: str, qk_norm: str, report: SwapReport) -> None:
@@ -32,10 +33,8 @@ def check_swap(model: nn.Module, arch: str, norm: str, qk_norm: str, report: Swa
     that is not a QK-norm; a QK-norm request must have put one in every attention layer the
     swap engine knows (or, when it knows none of the model's, at least one).
     """
-    def is_qk(name: str) -> bool:
-        return name.rsplit(".", 1)[-1] in _QK_LEAVES
 
-    if norm != "none" and not [n for n in report.converted + report.unchanged if not is_qk(n)]:
+    if norm != "none" and not [n for n in report.converted + report.unchanged if not is_qk_name(n)]:
         found = ", ".join(f"{name} x{count}" for name, count in sorted(norm_like(model).items())) or "none found"
         why = next(iter(report.skipped.values()), None) or next(iter(report.notes), "no norm layer it knows")
         raise UsageError(f"--model.norm {norm}: swap_norms converted none of the {arch} model's norm layers "
@@ -45,7 +44,7 @@ def check_swap(model: nn.Module, arch: str, norm: str, qk_norm: str, report: Swa
     if next(iter_attention_layers(model), None) is not None:
         check_qk_norms(model, qk_norm, report, arch)
         return
-    if not report.qk_added and not [n for n in report.converted + report.unchanged if is_qk(n)]:
+    if not report.qk_added and not [n for n in report.converted + report.unchanged if is_qk_name(n)]:
         why = "; ".join(report.notes) or "no attention layer it knows"
         raise UsageError(f"--model.qk_norm {qk_norm}: swap_norms added no QK-norm to the {arch} model ({why}); "
                          "use --model.qk_norm none.")

@@ -64,7 +64,8 @@ from torch import nn
 
 from lightning_mrs.modules import MRSNorm
 from lightning_mrs.swap.attention_info import QK_ATTRS, AttentionInfo
-from lightning_mrs.swap.build import DEFAULT_EPS
+from lightning_mrs.swap.build import DEFAULT_EPS, accelerate_hooked
+from lightning_mrs.swap.hf import is_transformers
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
@@ -167,9 +168,18 @@ class _Layer:
     name: str
     module: nn.Module
     entry: Optional[_Entry] = None  # covered as it is
-    replacement: Optional[type] = None  # rebuilt by attention_torchvision or attention_hf
+    replacement: Optional[type] = None  # rebuilt by attention_torchvision
+    attach: Optional[Callable[[nn.Module], None]] = None  # hooked in place by attention_hf (qk_hooks)
+    head_dim: Optional[int] = None  # an attach layer's head width
+    label: Optional[str] = None  # an attach layer's description in the report
+    qk_attrs: tuple[str, str] = QK_ATTRS  # where the layer holds its QK-norms
     reason: Optional[str] = None  # opaque: why no QK-norm can be added
     note: Optional[str] = None  # for the report when a QK-norm is asked for
+
+    @property
+    def changes_layer(self) -> bool:
+        """A QK-norm needs the layer rebuilt or hooked (it has no ``q_norm``/``k_norm`` slots)."""
+        return self.replacement is not None or self.attach is not None
 
 
 def _find(model: nn.Module) -> list[_Layer]:
@@ -177,13 +187,14 @@ def _find(model: nn.Module) -> list[_Layer]:
     _load_builtins()
     found: list[_Layer] = []
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("transformers."):  # never imports transformers otherwise
+        if is_transformers(module):  # never imports transformers otherwise
             from lightning_mrs.swap import attention_hf
 
             hf = attention_hf.classify(module, bool(_LOOKS_LIKE.search(type(module).__name__)))
             if hf is not None:
                 entry = _Entry(info=hf.info) if hf.info is not None else None
-                found.append(_Layer(name, module, entry, hf.replacement, hf.reason, hf.note))
+                found.append(_Layer(name, module, entry, attach=hf.attach, head_dim=hf.head_dim, label=hf.label,
+                                    qk_attrs=hf.qk_attrs, reason=hf.reason, note=hf.note))
                 continue
         entry, reason = _entry(module)
         if entry is not None:
@@ -192,6 +203,9 @@ def _find(model: nn.Module) -> list[_Layer]:
         replacement = _REPLACEMENTS.get(type(module))
         if replacement is not None:
             reason = getattr(replacement, "unsupported", lambda m: None)(module)
+            if reason is None and accelerate_hooked(module):
+                reason = (f"accelerate hooks this {type(module).__qualname__} (its per-instance forward would be "
+                          "copied into the rebuilt layer); swap before dispatch_model / device_map")
             found.append(_Layer(name, module, replacement=None if reason else replacement, reason=reason))
         elif reason is not None or isinstance(module, nn.MultiheadAttention):
             found.append(_Layer(name, module, reason=reason or (
@@ -249,29 +263,39 @@ def expose_attention(model: nn.Module) -> list[str]:
     Raises:
         ValueError: ``model`` itself is such a layer (wrap it: ``nn.Sequential(attn)``).
     """
-    layers = [f for f in _find(model) if f.replacement is not None]
+    found = _find(model)
+    layers = [f for f in found if f.replacement is not None]
     if any(f.module is model for f in layers):
         raise ValueError(f"expose_attention: the model itself is a {type(model).__qualname__} and cannot be "
                          "replaced in place; wrap it (nn.Sequential(attn)).")
     rewire(model, {id(f.module): f.replacement.from_module(f.module) for f in layers})
-    return [f.name for f in layers]
+    hooked = [f for f in found if f.attach is not None]
+    for f in hooked:
+        f.attach(f.module)  # transformers layers: identity QK-norms on hooks, nothing copied
+    return [f.name for f in [*layers, *hooked]]
 
 
 @dataclass
 class QKPlan:
     """What a swap does to the attention layers (made by :func:`plan_attention`).
 
+    Nothing is built while planning: :meth:`apply` rebuilds or hooks the layers once the body's
+    norms are in place, from the modules the model holds then (a rebuilt layer made before the
+    body swap would keep the discarded norms).
+
     Attributes:
         targets: ``id`` of an existing QK-norm -> the kind it becomes (``None``: left alone).
-        replacements: ``id`` of a torch/torchvision attention layer -> its QK rebuild.
-        additions: ``(attention layer, "q_norm"|"k_norm", new norm)`` to set once the model is
-            rewired (on the rebuild where there is one).
+        rebuilds: ``id`` of a torch/torchvision attention layer -> ``(layer, its QK class)``.
+        attachments: transformers layers to hook in place -> their ``attach``.
+        additions: ``(attention layer, attribute, new norm)`` to set once the layers are rebuilt
+            or hooked (on the rebuild where there is one).
         problems: why layers got no QK-norm, for reasons other than include/exclude
             (``strict=True`` turns them into an error).
     """
 
     targets: dict[int, Optional[str]] = field(default_factory=dict)
-    replacements: dict[int, nn.Module] = field(default_factory=dict)
+    rebuilds: dict[int, tuple[nn.Module, type]] = field(default_factory=dict)
+    attachments: list[tuple[nn.Module, Callable[[nn.Module], None]]] = field(default_factory=list)
     additions: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -279,10 +303,14 @@ class QKPlan:
         """The kind ``module`` becomes: its QK-norm kind if it is a QK-norm, else ``target``."""
         return self.targets[id(module)] if id(module) in self.targets else target
 
-    def apply(self) -> None:
-        """Set the new QK-norms (after the rewiring of the replaced layers)."""
+    def apply(self, model: nn.Module) -> None:
+        """Rebuild or hook the attention layers (after the body swap), then set the new QK-norms."""
+        rebuilt = {key: cls.from_module(module) for key, (module, cls) in self.rebuilds.items()}
+        rewire(model, rebuilt)
+        for module, attach in self.attachments:
+            attach(module)
         for module, attr, norm in self.additions:
-            setattr(self.replacements.get(id(module), module), attr, norm)
+            setattr(rebuilt.get(id(module), module), attr, norm)
 
 
 def _new_norm(kind: str, module: nn.Module, head_dim: int, eps: Optional[float]) -> nn.Module:
@@ -293,6 +321,11 @@ def _new_norm(kind: str, module: nn.Module, head_dim: int, eps: Optional[float])
     # a frozen attention layer gets a frozen QK-norm (the swap's rule for frozen sources)
     norm.requires_grad_(not params or any(p.requires_grad for p in params))
     return norm.train(module.training)
+
+
+def _child(name: str, attr: str) -> str:
+    """The dotted name of ``attr`` of the module named ``name`` (``""``: the model itself)."""
+    return f"{name}.{attr}" if name else attr
 
 
 def plan_attention(
@@ -324,8 +357,9 @@ def plan_attention(
                 report.attention_skipped[name] = layer.reason
                 plan.problems.append(f"{name} ({type(module).__qualname__}): {layer.reason}")
             continue
-        missing = list(QK_ATTRS) if layer.replacement else [a for a in QK_ATTRS if isinstance(getattr(module, a), nn.Identity)]
-        for attr in (a for a in QK_ATTRS if a not in missing):
+        attrs = layer.qk_attrs
+        missing = list(attrs) if layer.changes_layer else [a for a in attrs if isinstance(getattr(module, a), nn.Identity)]
+        for attr in (a for a in attrs if a not in missing):
             norm = getattr(module, attr)
             if norm_spec(norm) is None:  # not a norm the swap knows: no kind to give it
                 if kind is not None:
@@ -333,17 +367,19 @@ def plan_attention(
                 continue
             plan.targets[id(norm)] = kind  # the body walk swaps it to this kind (None: leaves it)
             if kind is None:
-                report.skipped[f"{name}.{attr}"] = "QK-norm left alone (qk_norm=False)"
+                report.skipped[_child(name, attr)] = "QK-norm left alone (qk_norm=False)"
         if kind is None or not missing:
             continue
-        rebuilt = layer.replacement.from_module(module) if layer.replacement else module  # not in the model yet
-        head_dim = int(rebuilt.head_dim)
-        reason = deselected(module, [f"{name}.{a}" for a in missing])
+        if layer.head_dim is not None:
+            head_dim = layer.head_dim
+        else:  # a throwaway rebuild tells a torchvision layer's head width; apply() builds the real one
+            head_dim = int((layer.replacement.from_module(module) if layer.replacement else module).head_dim)
+        reason = deselected(module, [_child(name, a) for a in missing])
         user = reason is not None
         if reason is None and kind == "mrs" and head_dim % 2:
             reason = (f"odd head_dim {head_dim}: MRSNorm pairs adjacent channels; use an even head width, "
                       "qk_norm='rms'/'layer', or exclude this layer")
-        if reason is None and layer.replacement is not None and module is model:
+        if reason is None and layer.changes_layer and module is model:
             reason = "the model itself is this attention layer and cannot be replaced in place; wrap it"
         if reason is not None:
             report.attention_skipped[name] = reason
@@ -351,14 +387,16 @@ def plan_attention(
                 plan.problems.append(f"{name} ({type(module).__qualname__}): {reason}")
             continue
         if layer.replacement is not None:
-            plan.replacements[id(module)] = rebuilt
-            report.attention_replaced[name] = (type(module).__qualname__,
-                                                getattr(layer.replacement, "label", layer.replacement.__qualname__))
+            plan.rebuilds[id(module)] = (module, layer.replacement)
+            report.attention_replaced[name] = (type(module).__qualname__, layer.replacement.__qualname__)
+        elif layer.attach is not None:
+            plan.attachments.append((module, layer.attach))
+            report.attention_replaced[name] = (type(module).__qualname__, layer.label or "hooked")
         for attr in missing:
             old = getattr(module, attr, None)
             if old is not None and (old._forward_hooks or old._forward_pre_hooks):
-                report.notes.append(f"{name}.{attr}: hooks registered on the old Identity were not moved")
+                report.notes.append(f"{_child(name, attr)}: hooks registered on the old Identity were not moved")
             norm = _new_norm(kind, module, head_dim, opts.eps)
             plan.additions.append((module, attr, norm))
-            report.qk_added[f"{name}.{attr}"] = f"{type(norm).__name__}({head_dim})"
+            report.qk_added[_child(name, attr)] = f"{type(norm).__name__}({head_dim})"
     return plan

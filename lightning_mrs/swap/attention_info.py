@@ -9,10 +9,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["AttentionInfo", "QK_ATTRS"]
+__all__ = ["AttentionInfo", "QK_ATTRS", "QK_ATTR_PAIRS", "is_qk_name"]
 
-#: the attributes of a covered attention layer that hold its QK-norms
+#: the attributes of a covered attention layer that hold its QK-norms (the ones the swap adds)
 QK_ATTRS = ("q_norm", "k_norm")
+#: every pair of names under which a layer may hold QK-norms of its own (transformers' Phi and
+#: Persimmon: ``q_layernorm``/``k_layernorm``)
+QK_ATTR_PAIRS = (QK_ATTRS, ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
+_QK_SUFFIXES = tuple(f".{attr}" for pair in QK_ATTR_PAIRS for attr in pair)
+
+
+def is_qk_name(name: str) -> bool:
+    """``name`` is the dotted name of an attention layer's QK-norm (``<layer>.q_norm``, ``.k_layernorm``...)."""
+    return name.endswith(_QK_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,8 @@ class AttentionInfo:
         cosine: q and k are L2-normalised after ``q_norm``/``k_norm`` (Swin V2).
         unseen: what the layer adds to ``scale * q . k`` after ``k_norm`` that hooks on the
             norms do not see (transformers layers: ``"rotary embeddings and the causal mask"``...).
+        qk_attrs: the names of the layer's query and key norm children (``("q_norm", "k_norm")``;
+            Phi's own: ``("q_layernorm", "k_layernorm")``).
     """
 
     num_heads: int
@@ -41,3 +52,4 @@ class AttentionInfo:
     layout: str = "BHND"
     cosine: bool = False
     unseen: Optional[str] = None
+    qk_attrs: tuple[str, str] = QK_ATTRS

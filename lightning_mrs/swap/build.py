@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
-from lightning_mrs.swap.layers import LayerNorm2d, NormAct, RMSNorm2d
+from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
 
-__all__ = ["DEFAULT_EPS", "Plan", "plan_replacement", "build_replacement"]
+__all__ = ["DEFAULT_EPS", "Plan", "accelerate_hooked", "build_replacement", "offloaded", "plan_replacement"]
 
 _PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one statistic per sample
 #: the eps of a new norm whose source has none (an added QK-norm, a norm without ``eps``)
@@ -28,6 +28,20 @@ class Plan:
 
     label: str  # e.g. "MRSNorm2d(spatial=True)"
     make: Callable[[int, float, bool, dict], nn.Module]  # (C, eps, affine, device/dtype kwargs)
+
+
+def accelerate_hooked(module: nn.Module) -> bool:
+    """accelerate has hooked this module (``add_hook_to_module``: an ``_hf_hook`` and a per-instance
+    ``forward`` bound to it), found without importing accelerate."""
+    return "_hf_hook" in vars(module)
+
+
+def offloaded(module: nn.Module) -> bool:
+    """accelerate keeps this module's weights elsewhere (CPU or disk offload: its parameters are
+    on ``meta`` and its hook loads them for each forward); a replacement cannot take them."""
+    hook = vars(module).get("_hf_hook")
+    hooks = getattr(hook, "hooks", None) or ([hook] if hook is not None else [])  # SequentialHook holds several
+    return any(getattr(h, "offload", False) or getattr(h, "weights_map", None) is not None for h in hooks)
 
 
 def _auto_spatial(spec: NormSpec) -> bool:
@@ -50,6 +64,8 @@ def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: ob
             return Plan("LayerNorm", lambda c, e, a, dd: nn.LayerNorm(c, e, elementwise_affine=a, bias=a, **dd))
         if spec.kind == "rms":
             return None
+        if spec.formula is not None and spec.formula.weight == "1+w":  # Gemma: keep its checkpoint convention
+            return Plan("RMSNorm(offset=1)", lambda c, e, a, dd: OffsetRMSNorm(c, e, a, offset=1.0, **dd))
         return Plan("RMSNorm", lambda c, e, a, dd: nn.RMSNorm(c, e, elementwise_affine=a, **dd))
     s = _auto_spatial(spec) if spatial == "auto" else bool(spatial)
     if target == "mrs":
@@ -81,6 +97,13 @@ def _device_dtype(module: nn.Module) -> dict:
     return {}
 
 
+def _offset(module: nn.Module, spec: NormSpec) -> float:
+    """The constant a layer adds to its weight: 1 for Gemma-style (probed ``1 + w``) layers."""
+    if spec.formula is not None:
+        return 1.0 if spec.formula.weight == "1+w" else 0.0
+    return module.offset if isinstance(module, OffsetRMSNorm) else 0.0
+
+
 def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
     """The old weight as one value per channel (an MRS weight holds one per phasor)."""
     return weight.repeat_interleave(2) if old_kind == "mrs" else weight
@@ -103,10 +126,14 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
     trainable = weight.requires_grad if isinstance(weight, nn.Parameter) else weight is None
     for p in new.parameters():
         p.requires_grad_(trainable)
-    if init == "inherit" and weight is not None and getattr(new, "weight", None) is not None:
-        w = _per_channel(weight.detach(), spec.kind)  # (C,)
-        if spec.formula is not None:  # a probed layer: its effective scale (Gemma's 1 + w)
-            w = spec.formula.scale(w)
+    if init in ("inherit", "calibrate") and weight is not None and getattr(new, "weight", None) is not None:
+        raw = _per_channel(weight.detach(), spec.kind)  # (C,)
+        offset = _offset(module, spec)  # the source's scale is offset + raw (Gemma: 1 + w)
+        if isinstance(new, OffsetRMSNorm) and offset == new.offset:
+            w = raw  # the same convention: the very weights (a plain reload of the family gives this layer)
+        else:
+            w = raw + offset if offset else raw  # the effective per-channel scale
+            w = w - new.offset if isinstance(new, OffsetRMSNorm) else w
         if isinstance(new, (MRSNorm, MRSNorm2d)):
             # one weight per phasor from its two channels: the mean keeps zero-init zeros zero
             w = w.reshape(-1, 2).mean(dim=1)  # (C/2,)
@@ -117,6 +144,12 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
     new.train(module.training)
     if spec.formula is not None:  # what the old layer computed, for the checkpoint record (spec.py)
         new.swapped_from = f"{type(module).__qualname__}: {spec.formula}"
+    if accelerate_hooked(module):
+        # the old hook (inputs moved to its execution device) goes on the new layer: it is
+        # re-initialised there (accelerate's own add_hook_to_module), nothing of the old forward is copied
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(new, vars(module)["_hf_hook"])
     if spec.fused_act:
         drop, act = getattr(module, "drop", None), getattr(module, "act", None)
         holder = NormAct(new, drop if isinstance(drop, nn.Module) else None, act if isinstance(act, nn.Module) else None)

@@ -15,10 +15,12 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mrs.swap.attention import plan_attention
-from lightning_mrs.swap.build import Plan, build_replacement, plan_replacement
+from lightning_mrs.swap.build import Plan, build_replacement, offloaded, plan_replacement
+from lightning_mrs.swap.calibrate import Calibration, calibrate, check_runs
 from lightning_mrs.swap.options import SwapOptions, check_model
+from lightning_mrs.swap.hf_record import record_in_configs
 from lightning_mrs.swap.registry import NormSpec, norm_spec
-from lightning_mrs.swap.report import SwapReport, by_reason
+from lightning_mrs.swap.report import SwapReport, by_reason, check_report
 from lightning_mrs.swap.rewire import rewire
 
 __all__ = ["swap_norms"]
@@ -47,7 +49,8 @@ def _deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Optio
     return "not matched by include" if opts.include and _matches(module, names, opts.include) is None else None
 
 
-def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", **options: Any) -> SwapReport:
+def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", *,
+               calibration: Optional[Calibration] = None, **options: Any) -> SwapReport:
     """Replace the norm layers of ``model`` in place; return what was done.
 
     Norm layers are the registered classes (torch, timm, torchvision, lightning-mrs) and any
@@ -61,6 +64,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
             layer to replace: wrap it first, e.g. ``nn.Sequential(norm)``.
         target: ``"mrs"``, ``"rms"`` or ``"layer"``, ``None`` (keep the body's norms), or a
             whole :class:`SwapOptions`.
+        calibration: ``init="calibrate"`` only: data to fit the new weights on (a tensor passed
+            as ``model(batch)``, a dict as ``model(**batch)``, or a callable that runs the
+            model; :mod:`lightning_mrs.swap.calibrate`).
         **options: the other fields of :class:`SwapOptions` (``spatial``, ``include``,
             ``exclude``, ``init``, ``eps``, ``strict``, ``qk_norm``).
 
@@ -88,6 +94,11 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     """
     check_model("swap_norms", model)
     opts = SwapOptions.of(target, "swap_norms", **options)
+    if (opts.init == "calibrate") != (calibration is not None):
+        raise ValueError("swap_norms: init='calibrate' needs calibration= (a batch the model runs on, a dict of its "
+                         "inputs, or a callable that runs it)" if calibration is None else
+                         f"swap_norms: calibration= is only used with init='calibrate' (init={opts.init!r})")
+
     target, spatial, strict = opts.target, opts.spatial, opts.strict
     report = SwapReport(target, options=opts)
 
@@ -125,6 +136,11 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
         if spec.unsupported:
             skip(spec.unsupported)
             continue
+        if offloaded(module):
+            skip("accelerate offloads its weights (they are loaded for each forward), so a replacement cannot take "
+                 "them; swap before dispatch_model / device_map, e.g. lightning_mrs.from_pretrained(path, "
+                 "device_map=...)")
+            continue
         plan = plan_replacement(module, spec, kind, spatial)
         if plan is None:
             report.unchanged.append(name)
@@ -153,17 +169,53 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
             + "\n  ".join(problems)
         )
 
-    # 3. build each replacement once, then point every reference at it (shared stays shared)
+    if calibration is not None:
+        check_runs(model, calibration)  # data the model cannot run: refused while the model is untouched
+
+    # 3. build each replacement once, then point every reference at it (shared stays shared);
+    # the attention layers are rebuilt or hooked afterwards, from the modules the model holds then
     new_modules = {key: build_replacement(m, spec, plan, opts.init, opts.eps) for key, (_, m, spec, plan) in plans.items()}
-    new_modules.update(qk.replacements)  # attention layers rebuilt to take a QK-norm
     rewire(model, new_modules)
-    qk.apply()
+    qk.apply(model)
     for name, old, spec, plan in plans.values():
         report.changes[name] = (type(old).__qualname__, plan.label + ("+act" if spec.fused_act else ""))
         if spec.formula is not None:
             report.probed[name] = str(spec.formula)
+    check_report(model, report, {name: new_modules[key] for key, (name, *_) in plans.items()})
+    if calibration is not None:
+        _calibrate(model, report, [(name, old, new_modules[key], spec) for key, (name, old, spec, _) in plans.items()],
+                   calibration)
+    record_in_configs(model, report, {name: (old, new_modules[key]) for key, (name, old, *_) in plans.items()})
     _say_if_nothing(model, report, found)
     return report
+
+
+def _calibrate(model: nn.Module, report: SwapReport, built: list[tuple[str, nn.Module, nn.Module, NormSpec]],
+               calibration: Calibration) -> None:
+    """Fit the new layers' weights on the calibration data (``init="calibrate"``); say what was not."""
+    layers = []
+    for name, old, new, spec in built:
+        if spec.fused_act:  # the old layer's output includes its activation: no target for the norm alone
+            report.notes.append(f"{name}: not calibrated (a fused norm+act layer); inherited weights")
+            continue
+        old.eval()  # out of the model now: BatchNorm's running statistics, no update
+        layers.append((name, new, old))  # target: the old layer on the same input
+    modules = dict(model.named_modules())
+    layers += [(name, modules[name], _identity) for name in report.qk_added]  # target: the un-normed q/k
+    report.calibration.update(calibrate(model, layers, calibration))
+    biased = [(name, type(new).__name__) for name, old, new, _ in built
+              if isinstance(getattr(old, "bias", None), nn.Parameter) and getattr(new, "bias", None) is None]
+    if biased:
+        report.notes.append(f"{len(biased)} calibrated layers had a bias that {biased[0][1]} cannot hold (e.g. "
+                            f"{biased[0][0]}): the fit matches the rest, the bias stays in the residual error")
+    missed = [name for name, _, _ in layers if name not in report.calibration]
+    if missed:
+        report.notes.append(f"not calibrated (the calibration data never reached them; inherited weights): "
+                            f"{', '.join(missed[:5])}{' ...' if len(missed) > 5 else ''}")
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _say_if_nothing(model: nn.Module, report: SwapReport, found: int) -> None:

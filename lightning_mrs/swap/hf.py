@@ -42,8 +42,9 @@ KNOWN_NORMS: dict[str, tuple[tuple[str, str], Optional[float]]] = {
 }
 
 
-def is_transformers(module: nn.Module) -> bool:
-    """``module``'s class comes from the transformers package (without importing it)."""
+def is_transformers(module: object) -> bool:
+    """``module``'s class (a module's, a config's) comes from the transformers package, without
+    importing it: the one test of the project (the swap, the attention finder, the config record)."""
     return type(module).__module__.startswith("transformers.")
 
 

@@ -4,6 +4,9 @@
   ``target="layer"`` replacement of ConvNeXt-style LayerNorm2d).
 * :class:`RMSNorm2d`: RMSNorm over dim 1, per position or (``spatial=True``) per sample
   (the ``target="rms"`` replacement of channels-first norms).
+* :class:`OffsetRMSNorm`: RMSNorm whose weight is an offset from a constant, ``rms(x) * (offset + w)``
+  (the ``target="rms"`` replacement of Gemma's norms: it stores ``w`` as Gemma's checkpoints
+  do, so the swapped model saves in the family's convention, as Liger's ``offset=1.0``).
 * :class:`NormAct`: the replacement of timm's fused norm+act layers (``BatchNormAct2d``...):
   ``act(drop(norm(x)))`` with the old ``drop``/``act`` modules kept as they were.
 
@@ -21,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_mrs.ops.validation import compute_dtype
 
-__all__ = ["LayerNorm2d", "RMSNorm2d", "NormAct"]
+__all__ = ["LayerNorm2d", "NormAct", "OffsetRMSNorm", "RMSNorm2d"]
 
 
 class _ChannelsFirstNorm(nn.Module):
@@ -121,6 +124,53 @@ class RMSNorm2d(_ChannelsFirstNorm):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spatial={self.spatial}"
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm over the last dim with the weight stored as an offset: ``rms(x) * (offset + w)``.
+
+    Half-precision inputs are computed in fp32 and returned in their dtype (as Gemma's norms do).
+
+    Args:
+        normalized_shape: ``C``, the size of the last dim.
+        eps: added to the mean square.
+        affine: a learnable ``weight`` (initialised to 0: the scale starts at ``offset``).
+        offset: the constant the weight is added to (Gemma: 1).
+
+    Example:
+        >>> norm = OffsetRMSNorm(6)
+        >>> torch.allclose(norm(torch.ones(2, 6)), torch.ones(2, 6))  # w = 0: scale 1
+        True
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int,
+        eps: float = 1e-6,
+        affine: bool = True,
+        offset: float = 1.0,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = (int(normalized_shape),)
+        self.eps = eps
+        self.offset = float(offset)
+        self.weight = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype)) if affine else None
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(compute_dtype(x.dtype))
+        y = F.rms_norm(xf, self.normalized_shape, None, self.eps)  # (..., C)
+        if self.weight is not None:
+            y = y * (self.offset + self.weight.to(xf.dtype))
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape[0]}, eps={self.eps}, affine={self.weight is not None}, offset={self.offset:g}"
 
 
 class NormAct(nn.Module):

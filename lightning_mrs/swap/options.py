@@ -17,7 +17,7 @@ SWAP_TARGETS = ("mrs", "rms", "layer")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
 QK_NORMS = (None, True, False, *SWAP_TARGETS)
-_INITS = ("inherit", "ones")
+_INITS = ("inherit", "ones", "calibrate")
 _SPATIAL = ("auto", True, False)
 Selector = Union[str, type, Iterable[Union[str, type]], None]
 
@@ -100,7 +100,9 @@ class SwapOptions:
         init: ``"inherit"``: new weights from the old ones (an MRS phasor weight is the mean of
             its two channels' weights, so zero-init residual branches stay zero; a bias and
             BatchNorm running statistics are dropped where the target has none); ``"ones"``:
-            fresh weights.
+            fresh weights; ``"calibrate"``: the inherited weights, then fitted by least squares
+            on ``swap_norms(..., calibration=batch)`` so that each new layer's output matches the
+            old one (:mod:`lightning_mrs.swap.calibrate`).
         eps: the new layers' eps; ``None`` keeps each old layer's eps.
         strict: raise, listing every layer concerned, instead of skipping a norm for any
             reason other than ``include``/``exclude``.

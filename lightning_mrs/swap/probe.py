@@ -19,6 +19,14 @@ matters most) and verified on all rows. The layer is replaced only when exactly 
 matches to :data:`TOLERANCE` (relative to the output's scale); otherwise the swap skips it with
 the reason and the error of the nearest formula.
 
+The probe never depends on where the model lives: it runs on the CPU in float64 whatever the
+module's device (``meta`` included) or the default device and dtype (``torch.device("meta")``,
+``torch.set_default_device("cuda")``, transformers' ``dtype=`` loading), and through the class's
+``forward``, never an instance's (accelerate's hooks replace ``module.forward`` on the instance).
+A module whose ``forward`` takes more than its input (a gated norm, ``forward(h, gate=None)``) is
+not probed: a replacement would drop the other inputs. A verdict is cached per instance, except
+one that came from an exception.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -34,16 +42,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Formula", "Probe", "TOLERANCE", "probe_norm", "recognise"]
+__all__ = ["Formula", "Probe", "TOLERANCE", "extra_inputs", "looks_like_norm", "probe_norm", "recognise"]
 
 #: the largest max error (relative to the output's largest value) of a matching formula. A
 #: module computing in float32 internally is off by ~1e-7; the nearest wrong formula by > 1e-2.
@@ -128,9 +138,45 @@ def _clone(module: nn.Module, gen: torch.Generator) -> nn.Module:
 
 
 def _probe_input(channels: int, gen: torch.Generator) -> Tensor:
-    scales = torch.tensor(_ROW_SCALES, dtype=torch.float64).view(2, 3, 1)
-    x = torch.randn(2, 3, channels, dtype=torch.float64, generator=gen) + 0.5  # a mean: RMS != LayerNorm
+    scales = torch.tensor(_ROW_SCALES, dtype=torch.float64, device="cpu").view(2, 3, 1)
+    x = torch.randn(2, 3, channels, dtype=torch.float64, device="cpu", generator=gen) + 0.5  # a mean: RMS != LayerNorm
     return x * scales  # (2, 3, C)
+
+
+@contextlib.contextmanager
+def cpu_float64() -> Iterator[None]:
+    """Tensors created inside (by the probe or the probed forward) default to CPU float64,
+    whatever default device (``torch.device("meta")``, ``set_default_device``) or dtype is set."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
+def extra_inputs(module: nn.Module) -> list[str]:
+    """The parameters of ``type(module).forward`` besides ``self`` and the input: a norm's
+    forward takes only its input (``forward(h, gate=None)`` is a gated norm)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # a builtin forward: no signature to read
+        return []
+    if not params or params[0].kind is inspect.Parameter.VAR_POSITIONAL:
+        return []  # forward(self, *args): nothing to read
+    return [p.name for p in params[1:]]
+
+
+def looks_like_norm(module: nn.Module) -> bool:
+    """The one by-name rule of the project: a module whose class name says ``Norm``, outside
+    torch's weight parametrizations (``torch.nn.utils``: weight/spectral norm normalise weights).
+
+    The swap (a probe candidate), the monitors (a module to watch or to name as unwatchable)
+    and the recipes (what a model's norms are called) all use it.
+    """
+    cls = type(module)
+    return "Norm" in cls.__name__ and not cls.__module__.startswith("torch.nn.utils")
 
 
 def _estimate_eps(formula: Formula, x: Tensor, y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> float:
@@ -155,7 +201,8 @@ def probe_norm(module: nn.Module, channels: int, eps: Optional[float] = None) ->
     """What ``module`` computes over the last dim of size ``channels``, found by running it.
 
     Args:
-        module: a leaf module; it is not changed, its hooks do not run.
+        module: a leaf module; it is not changed, its hooks do not run (its class's ``forward``
+            runs on a CPU float64 copy).
         channels: the size of the normalised last dim.
         eps: the epsilon to assume first (else the module's ``eps``-like attribute); the one
             read off the probe is tried next.
@@ -163,12 +210,12 @@ def probe_norm(module: nn.Module, channels: int, eps: Optional[float] = None) ->
     Returns:
         A :class:`Probe`: the single matching :class:`Formula`, or ``None`` and the reason.
     """
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     try:
-        clone = _clone(module, gen)
-        x = _probe_input(channels, gen)
-        with torch.no_grad():
-            y = clone.forward(x)
+        with cpu_float64(), torch.no_grad():
+            clone = _clone(module, gen)
+            x = _probe_input(channels, gen)
+            y = type(module).forward(clone, x)  # the class's forward: never a per-instance one (accelerate)
     except Exception as err:  # noqa: BLE001 - any failure means "not a last-dim norm we can read"
         return Probe(None, math.inf, f"its forward fails on a float64 (2, 3, {channels}) input "
                                      f"({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})")
@@ -225,18 +272,24 @@ def _structure(module: nn.Module) -> tuple[bool, Optional[str]]:
     """``(is a candidate, why it cannot be a last-dim norm)`` from the module's attributes only."""
     if module._modules:
         return False, None  # a container: its children are looked at on their own
-    named = "Norm" in type(module).__name__
+    named = looks_like_norm(module)
     params = {n: p for n, p in module._parameters.items() if p is not None}
     weight, bias = params.get("weight"), params.get("bias")
     if not params:
-        return named, None
+        extra = extra_inputs(module) if named else []
+        return named, (f"its forward takes more than the input ({', '.join(extra)}); not swapped" if extra else None)
     if set(params) - {"weight", "bias"} or weight is None:
         what = ", ".join(f"{n} {tuple(p.shape)}" for n, p in params.items())
         return named, f"not a norm over the last dim with a 1-d weight: its parameters are {what}"
     if weight.ndim != 1 or (bias is not None and bias.shape != weight.shape):
         what = ", ".join(f"{n} {tuple(p.shape)}" for n, p in params.items())
         return named, f"not a norm over the last dim with a 1-d weight: its parameters are {what}"
-    return named or _eps_attr(module) is not None, None
+    candidate = named or _eps_attr(module) is not None
+    extra = extra_inputs(module) if candidate else []
+    if extra:
+        return True, (f"its forward takes more than the input ({', '.join(extra)}): a gated norm, which a "
+                      "replacement taking only the input would change; not swapped")
+    return candidate, None
 
 
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, tuple[Optional[float], tuple[int, Optional[Formula], Optional[str]]]]" = (
@@ -250,7 +303,7 @@ def recognise(module: nn.Module, eps: Optional[float] = None,
     ``formula`` is what the probe found (``None`` with the ``reason`` when nothing matched or the
     module cannot be probed). ``eps`` is a known epsilon to try first; ``expected`` a known
     ``(kind, weight)`` the probe must confirm (a class of transformers whose code was read).
-    Results are cached per module instance.
+    Results are cached per module instance (not those of a forward that raised).
     """
     candidate, reason = _structure(module)
     if not candidate and expected is None:
@@ -265,17 +318,19 @@ def recognise(module: nn.Module, eps: Optional[float] = None,
         what = f"computes {width_free}, but" if width_free is not None else "a weightless module that"
         reason = (f"{what} has no weight, normalized_shape or hidden_size to tell its width, which the "
                   "replacement needs")
-    formula = None
+    formula, failed = None, False
     if reason is None:
         probe = probe_norm(module, channels, eps)
         formula, reason = probe.formula, probe.reason
+        failed = formula is None and probe.error == math.inf  # an exception: maybe transient, never cached
         if formula is not None and expected is not None and (formula.kind, formula.weight) != expected:
             reason = (f"the probe found {formula}, but {type(module).__qualname__} is known to compute "
                       f"{Formula(expected[0], expected[1], formula.bias, formula.eps)}; not swapped (report this)")
             formula = None
-    if formula is None and expected is None and "Norm" not in type(module).__name__:
+    if formula is None and expected is None and not looks_like_norm(module):
         result = None  # only its eps attribute made it a candidate: not a norm after all
     else:
         result = (channels or 0, formula, reason)
-    _CACHE[module] = (_eps_attr(module), result)
+    if not failed:
+        _CACHE[module] = (_eps_attr(module), result)
     return result

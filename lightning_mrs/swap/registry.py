@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
 from lightning_mrs.swap.hf import known_norm
-from lightning_mrs.swap.layers import LayerNorm2d, RMSNorm2d
+from lightning_mrs.swap.layers import LayerNorm2d, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.probe import Formula, recognise
 
 __all__ = ["NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "NORM_KINDS"]
@@ -303,3 +303,4 @@ register_norm(MRSNorm, "mrs", -1)
 register_norm(MRSNorm2d, "mrs", 1, spatial=lambda m: bool(m.spatial))
 register_norm(LayerNorm2d, "layer2d", 1, spatial=False)
 register_norm(RMSNorm2d, "rms2d", 1, spatial=lambda m: bool(m.spatial))
+register_norm(OffsetRMSNorm, "rms", -1)

@@ -28,21 +28,13 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mrs.swap.attention import QK_ATTRS
+from lightning_mrs.swap.attention_info import is_qk_name
 from lightning_mrs.swap.engine import swap_norms
+from lightning_mrs.swap.layer_record import LayerRecord, differences, format_record, layer_record
 from lightning_mrs.swap.options import SWAP_TARGETS
-from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
+from lightning_mrs.swap.registry import NormSpec, iter_norm_layers, norm_spec
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
-
-LayerRecord = dict[str, Any]  # {"kind", "channel_dim", "spatial", "eps"[, "qk"][, "from"]}: JSON-friendly
-_QK_SUFFIXES = tuple(f".{attr}" for attr in QK_ATTRS)  # where the swap puts (or finds) a QK-norm
-
-
-def is_qk_name(name: str) -> bool:
-    """``name`` is the dotted name of an attention layer's QK-norm (``<layer>.q_norm``/``.k_norm``)."""
-    return name.endswith(_QK_SUFFIXES)
-
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
     if target == "mrs":
@@ -88,62 +80,12 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
             continue
         qk = is_qk_name(name)
         if qk or (target is not None and _of_target(module, spec, target)):
-            eps = getattr(module, "eps", None)
-            records[name] = {
-                "kind": spec.kind,
-                "channel_dim": spec.channel_dim,
-                "spatial": spec.spatial,
-                "eps": float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None,
-            }
-            if qk:
-                records[name]["qk"] = True
-            source = getattr(module, "swapped_from", None)
-            if isinstance(source, str):  # a probed layer: what it computed ("GemmaRMSNorm: rms(x) * (1 + w), ...")
-                records[name]["from"] = source
+            records[name] = layer_record(name, module, spec)
     return records
 
 
-def format_record(record: Optional[LayerRecord]) -> str:
-    """A record as a short label; ``None`` (no norm of the target's kind there) as ``not swapped``.
-
-    Example:
-        >>> format_record({"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5})
-        'mrs(channels-first, per sample, eps=1e-05)'
-    """
-    if record is None:
-        return "not swapped"
-    layout = "channels-last" if record.get("channel_dim") == -1 else "channels-first"
-    if record.get("spatial") is not None:
-        layout += ", per sample" if record["spatial"] else ", per position"
-    eps = record.get("eps")
-    label = f"{record.get('kind')}({layout}, eps={'default' if eps is None else format(eps, 'g')})"
-    return f"QK-norm {label}" if record.get("qk") else label
-
-
-def differences(
-    expected: dict[str, LayerRecord],
-    got: dict[str, LayerRecord],
-    labels: tuple[str, str] = ("checkpoint", "this run"),
-    limit: int = 5,
-) -> list[str]:
-    """One line per layer whose records differ, naming both descriptions (at most ``limit``).
-
-    Example:
-        >>> a = {"1": {"kind": "mrs", "channel_dim": 1, "spatial": True, "eps": 1e-5}}
-        >>> differences(a, {"1": dict(a["1"], spatial=False)}, labels=("old", "new"))
-        ['1: old mrs(channels-first, per sample, eps=1e-05), new mrs(channels-first, per position, eps=1e-05)']
-    """
-    lines = []
-    for name in sorted(set(expected) | set(got)):
-        if expected.get(name) != got.get(name):
-            lines.append(
-                f"{name or '<root>'}: {labels[0]} {format_record(expected.get(name))}, "
-                f"{labels[1]} {format_record(got.get(name))}"
-            )
-    shown = lines[:limit]
-    if len(lines) > limit:
-        shown.append(f"... and {len(lines) - limit} more")
-    return shown
+#: the swap target that builds a layer of each recorded kind
+_TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer"}
 
 
 def _literal(name: str) -> str:
@@ -162,7 +104,8 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
 
     Args:
         model: a freshly built model of the class that was swapped.
-        target: the target of the recorded swap.
+        target: the target of the recorded swap, or ``None``: each record's kind says what it
+            became (a transformers config's record, :mod:`lightning_mrs.swap.hf_record`).
         records: what :func:`describe_layers` gave for the swapped model.
 
     Raises:
@@ -180,25 +123,35 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
         MRSNorm2d(8, eps=1e-05, affine=True, spatial=False)
     """
     modules = dict(model.named_modules())
-    groups: dict[tuple[Any, Optional[float]], list[str]] = {}
+    groups: dict[tuple[str, Any, Optional[float]], list[str]] = {}
     qk_groups: dict[tuple[str, Optional[float]], list[str]] = {}
     for name, record in records.items():
+        kind = _TARGET_OF_KIND.get(record["kind"])
         if record.get("qk"):
-            qk_groups.setdefault((record["kind"], record["eps"]), []).append(_literal(name))
+            if kind is not None:  # else the layer's own QK-norm, left as it was: a fresh model has it
+                qk_groups.setdefault((kind, record["eps"]), []).append(_literal(name))
             continue
         if name not in modules and name.endswith(".norm") and name[: -len(".norm")] in modules:
             name = name[: -len(".norm")]  # the fused norm+act layer this norm came from
+        if kind is None:
+            raise ValueError(f"{name}: a recorded {record['kind']!r} layer is not one a swap builds")
         spatial = record["spatial"] if record["channel_dim"] == 1 else "auto"
-        groups.setdefault((spatial, record["eps"]), []).append(_literal(name))
-    if groups and target is None:
-        raise ValueError("records of body norm layers need the target they were swapped to, got target=None")
+        groups.setdefault((target or kind, spatial, record["eps"]), []).append(_literal(name))
     with warnings.catch_warnings():  # a model that cannot match gets the error below, not a warning too
         warnings.simplefilter("ignore", UserWarning)
-        for (spatial, eps), names in groups.items():
-            swap_norms(model, target, spatial=spatial, eps=eps, include=names, init="ones")
+        for (kind, spatial, eps), names in groups.items():
+            swap_norms(model, kind, spatial=spatial, eps=eps, include=names, init="ones")
         for (kind, eps), names in qk_groups.items():
             swap_norms(model, None, qk_norm=kind, eps=eps, include=names, init="ones")
-    got = describe_layers(model, target)
+    if target is not None:
+        got = describe_layers(model, target)
+    else:  # a record of several kinds (a transformers config's): the recorded layers themselves
+        modules = dict(model.named_modules())
+        got = {}
+        for name in records:
+            spec = norm_spec(modules[name]) if name in modules else None
+            if spec is not None:
+                got[name] = layer_record(name, modules[name], spec)
     if got != records:
         raise ValueError(
             "the model does not match the recorded swap:\n  "

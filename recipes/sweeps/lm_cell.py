@@ -150,8 +150,6 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")  # a step the loss scaler skipped
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    # the exposed q/k projections (QKNormLinear) are not norms; the monitors say they skip them, once per cell
-    warnings.filterwarnings("ignore", message=".*QKNormLinear.*")
     warnings.filterwarnings("ignore", message=".*add terms to scale \\* q.k.*")  # rotary and mask: stated in the report
     pl.seed_everything(seed, workers=True, verbose=False)
     setting = _setting(args, arm)

@@ -80,6 +80,8 @@ def test_arguments_are_validated_in_init():
         NormSwap("batch")
     with pytest.raises(ValueError, match="init='random' is not valid; choose one of"):
         NormSwap(init="random")
+    with pytest.raises(ValueError, match="init='calibrate' needs calibration data, which a callback does not have"):
+        NormSwap(init="calibrate")
     with pytest.raises(TypeError, match="pattern"):
         NormSwap(exclude=[1.5])
     with pytest.raises(TypeError, match=re.escape(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from helpers.hf_attention import ADDS, NATIVE, tiny_lm, tokens
-from lightning_mrs import MRSNorm, expose_attention, iter_attention_layers, swap_norms
+from lightning_mrs import MRSNorm, OffsetRMSNorm, expose_attention, iter_attention_layers, swap_norms
 from lightning_mrs.swap.spec import describe_layers, rebuild
 
 transformers = pytest.importorskip("transformers")
@@ -208,7 +208,8 @@ def test_native_qk_norms_swapped_to_a_baseline_keep_the_logits(family: str, qk_n
     names = sorted(f"model.layers.{i}.self_attn.{a}" for i in range(2) for a in ("q_norm", "k_norm"))
     assert sorted(report.converted) == names and not report.qk_added and not report.attention_skipped
     width = 64 if family == "olmo2" else 16  # OLMo 2: the whole projection (4 heads x 16), its k_norm 2 x 16
-    kind = {"rms": nn.RMSNorm, "layer": nn.LayerNorm}[qk_norm]
+    # Gemma 3's QK-norms store 1 + w's offset: an rms swap keeps that convention (OffsetRMSNorm)
+    kind = {"rms": OffsetRMSNorm if family == "gemma3_text" else nn.RMSNorm, "layer": nn.LayerNorm}[qk_norm]
     for name in names:
         norm = model.get_submodule(name)
         assert isinstance(norm, kind)

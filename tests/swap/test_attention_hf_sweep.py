@@ -2,7 +2,7 @@
 
 Per family (float64): the rewiring alone (``expose_attention``) keeps the logits; with MRS
 QK-norms (``eps=1e-12``) every attention layer either got one (added or swapped) or is listed
-in ``report.attention_skipped`` (or its own QK-norm in ``report.skipped``); and where the generic ``q_proj``/``k_proj`` rule wrapped a
+in ``report.attention_skipped`` (or its own QK-norm in ``report.skipped``); and where the generic ``q_proj``/``k_proj`` rule hooked a
 layer, scaling the rows of one query head leaves the logits unchanged (the norm really is per
 head, ahead of everything that uses q). Families that fail a check are printed with the reason.
 
@@ -20,7 +20,8 @@ import torch
 
 from helpers.hf import FAMILIES, tiny_causal_lm, tiny_config, token_batch, transformers
 from lightning_mrs import expose_attention, swap_norms
-from lightning_mrs.swap.attention_hf import QKNormLinear
+from lightning_mrs.swap.attention_info import is_qk_name
+from lightning_mrs.swap.qk_hooks import qk_state
 
 
 _MAX_PARAMS = 5_000_000  # as the norm sweep: a "small config" that builds more is not tried
@@ -67,17 +68,21 @@ def test_every_buildable_family_gets_qk_norms_or_says_why():
             if not torch.isfinite(logits).all():
                 problems[model_type] = "non-finite logits with MRS QK-norms"
                 continue
-            got = {n.rsplit(".", 1)[0] for n in [*report.qk_added, *report.converted]
-                   if n.endswith(("q_norm", "k_norm"))}
-            skipped_norms = {n.rsplit(".", 1)[0] for n in report.skipped if n.endswith(("q_norm", "k_norm"))}
+            got = {n.rsplit(".", 1)[0] for n in [*report.qk_added, *report.converted] if is_qk_name(n)}
+            skipped_norms = {n.rsplit(".", 1)[0] for n in report.skipped if is_qk_name(n)}
             unlisted = _attention_layers(model) - got - set(report.attention_skipped) - skipped_norms
             if unlisted:
                 problems[model_type] = f"attention layers neither given a QK-norm nor listed: {sorted(unlisted)[:3]}"
                 continue
-            wrapped = [m for m in model.modules() if isinstance(m, QKNormLinear) and m.heads("q") > 1]
-            for proj in wrapped:  # rows D..2D: query head 1 (or GPT-NeoX's key head 0), its bias too
-                rows = slice(proj._qk_head_dim, 2 * proj._qk_head_dim)
-                proj.weight[rows] *= 5.0
+            wrapped = [(layer._modules[attr], state.wiring.head_dim) for layer in model.modules()
+                       if (state := qk_state(layer)) is not None
+                       for attr, split in state.wiring.projections.items() if dict(split).get("q", 0) > 1]
+            for proj, d in wrapped:  # rows D..2D: query head 1 (or GPT-NeoX's key head 0), its bias too
+                rows = slice(d, 2 * d)
+                if type(proj).__name__ == "Conv1D":  # GPT-2: weight (in, out), the outputs are its columns
+                    proj.weight[:, rows] *= 5.0
+                else:
+                    proj.weight[rows] *= 5.0
                 if proj.bias is not None:
                     proj.bias[rows] *= 5.0
             if wrapped and not torch.allclose(model(ids).logits, logits, atol=1e-7, rtol=1e-7):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from helpers.hf import FAMILIES, LAYERNORM_FAMILIES, NORMS, tiny_causal_lm, token_batch
-from lightning_mrs import MRSNorm, iter_norm_layers, norm_spec, swap_norms
+from lightning_mrs import MRSNorm, OffsetRMSNorm, iter_norm_layers, norm_spec, swap_norms
 
 ALL = {**NORMS, **LAYERNORM_FAMILIES}
 
@@ -59,7 +59,8 @@ def test_every_target_trains_and_the_report_lists_every_layer(family, target):
     listed = set(report.converted) | set(report.unchanged) | set(report.skipped) | set(report.aliases)
     assert listed == norms and not report.skipped
     assert set(report.probed) == ({n for n in report.converted} if NORMS[family] != "torch" else set())
-    kind = {"mrs": MRSNorm, "rms": nn.RMSNorm, "layer": nn.LayerNorm}[target]
+    offset = NORMS[family].endswith("(1 + w)")  # Gemma: an rms swap keeps its checkpoint convention
+    kind = {"mrs": MRSNorm, "rms": OffsetRMSNorm if offset else nn.RMSNorm, "layer": nn.LayerNorm}[target]
     modules = dict(model.named_modules())
     assert all(type(modules[n]) is kind for n in norms)
     model.train()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mrs import MRSNorm, norm_spec, swap_norms
+from lightning_mrs.swap.layers import OffsetRMSNorm
 from lightning_mrs.swap.probe import TOLERANCE, probe_norm
 
 C = 8
@@ -97,7 +98,11 @@ def test_swapped_layers_compute_what_the_old_one_did(c):
             expected = model(x)
             report = swap_norms(model, target)
             assert report.converted == ["1"] and report.probed["1"].startswith(f"{kind}(x)")
-            assert type(model[1]) is (nn.RMSNorm if target == "rms" else nn.LayerNorm)
+            # an offset RMS layer (Gemma's) becomes an OffsetRMSNorm: the same weights, the family's convention
+            rms = OffsetRMSNorm if weight == "1+w" else nn.RMSNorm
+            assert type(model[1]) is (rms if target == "rms" else nn.LayerNorm)
+            if type(model[1]) is OffsetRMSNorm:
+                torch.testing.assert_close(model[1].weight, old.weight, atol=0, rtol=0)
             torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
             h = model[0](x)
             scale = None if weight == "none" else (old.weight + 1 if weight == "1+w" else old.weight)
@@ -128,18 +133,26 @@ class _MaxNorm(nn.Module):
 
 
 class _GatedRMSNorm(_Norm):
-    def forward(self, x, gate):  # two inputs: the probe cannot call it
-        return super().forward(x) * gate
+    def forward(self, x, gate=None):  # two inputs: a replacement taking only x would drop the gate
+        return super().forward(x) * (1 if gate is None else gate)
+
+
+class _FailingNorm(_Norm):
+    def forward(self, x):
+        raise RuntimeError("no")
 
 
 def test_a_norm_that_matches_no_formula_is_skipped_with_the_error():
-    model = nn.Sequential(nn.Linear(C, C), _MaxNorm(), _GatedRMSNorm())
-    with pytest.warns(UserWarning, match="converted none of the 2 norm layers"):
+    model = nn.Sequential(nn.Linear(C, C), _MaxNorm(), _GatedRMSNorm(), _FailingNorm())
+    with pytest.warns(UserWarning, match="converted none of the 3 norm layers"):
         report = swap_norms(model, "mrs")
     assert report.converted == []
     assert report.skipped["1"].startswith("computes neither RMS nor LayerNorm over the last dim (max error ")
-    assert "forward fails" in report.skipped["2"]
+    assert report.skipped["2"].startswith("its forward takes more than the input (gate): a gated norm")
+    assert "forward fails" in report.skipped["3"]
     assert isinstance(model[1], _MaxNorm) and isinstance(model[2], _GatedRMSNorm)
+    with pytest.raises(ValueError, match="a gated norm"):
+        swap_norms(nn.Sequential(_GatedRMSNorm()), "mrs", strict=True)
     with pytest.raises(ValueError, match="computes neither RMS nor LayerNorm"):
         swap_norms(nn.Sequential(_MaxNorm()), "mrs", strict=True)
 

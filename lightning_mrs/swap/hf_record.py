@@ -1,0 +1,153 @@
+"""The swap of a transformers model, recorded in its config, so that ``save_pretrained`` keeps it.
+
+transformers saves a model as ``config.json`` plus its weights, and ``from_pretrained`` rebuilds
+the family's classes from the config: a swapped norm (``MRSNorm``) or an added QK-norm would come
+back as the family's own layer, its weights dropped or refused. Quantizers solve the same problem
+with a ``quantization_config`` in ``config.json``, read before the weights load. Every swap of a
+transformers model therefore writes (:func:`record_in_configs`):
+
+* ``config.lightning_mrs``: the swap as data, ``{"format": 1, "version", "layers": {name:
+  record}}``, one :func:`~lightning_mrs.swap.layer_record.layer_record` per layer a swap built
+  or added (names relative to the model that owns the config), with ``"plain": true`` where
+  transformers' own class, given these weights, computes the same thing (an *own-kind* swap:
+  Llama's ``LlamaRMSNorm`` -> ``nn.RMSNorm``, Gemma's -> ``OffsetRMSNorm``, which stores ``w``
+  as Gemma does);
+* ``config.attn_implementation = GUARD`` when any layer is not plain. transformers reads this
+  key of ``config.json`` as the attention implementation to use and refuses an unknown one, so a
+  plain ``AutoModelForCausalLM.from_pretrained`` of such a directory raises ``ValueError``
+  (naming lightning_mrs) instead of building another model; ``AutoConfig`` and tokenizers still
+  load. In memory the attribute is inert: the model's attention is untouched.
+
+:func:`lightning_mrs.from_pretrained` reads the record, removes the guard, swaps the freshly built
+model before its weights load, and loads them strictly. Which layers are plain is decided by
+running both on the probe's float64 input (:func:`loads_as_saved`), never by class names.
+
+Example:
+    >>> from torch import nn
+    >>> old, new = nn.LayerNorm(8), nn.RMSNorm(8)
+    >>> loads_as_saved(old, new)  # LayerNorm's class with these weights would not compute RMSNorm
+    False
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_mrs.swap.attention_info import is_qk_name
+from lightning_mrs.swap.hf import is_transformers
+from lightning_mrs.swap.layer_record import LayerRecord, layer_record
+from lightning_mrs.swap.probe import TOLERANCE, _clone, _probe_input, cpu_float64
+from lightning_mrs.swap.registry import norm_spec
+from lightning_mrs.swap.report import SwapReport
+from lightning_mrs.version import __version__
+
+__all__ = ["GUARD", "RECORD_KEY", "hf_roots", "loads_as_saved", "record_in_configs", "swap_record"]
+
+RECORD_KEY = "lightning_mrs"
+#: the value of ``attn_implementation`` in a swapped model's ``config.json``: an implementation
+#: transformers does not know, so that only lightning_mrs.from_pretrained loads the directory
+GUARD = "lightning_mrs (norms swapped by lightning-mrs: load with lightning_mrs.from_pretrained)"
+_FORMAT = 1
+
+
+def hf_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models (a ``config`` and ``save_pretrained``) in ``model``:
+    ``(dotted name, module)``; ``model`` itself when it is one."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{r}.") or not r for r, _ in roots):
+            continue
+        config = getattr(module, "config", None)
+        if is_transformers(module) and callable(getattr(module, "save_pretrained", None)) and is_transformers(config):
+            roots.append((name, module))
+    return roots
+
+
+def swap_record(root: nn.Module) -> Optional[dict[str, Any]]:
+    """The record in a transformers model's config (``None``: not swapped)."""
+    record = getattr(getattr(root, "config", None), RECORD_KEY, None)
+    return record if isinstance(record, dict) else None
+
+
+def _float64_cpu(module: nn.Module) -> nn.Module:
+    """A CPU float64 copy of ``module`` with fresh storage (meta and offloaded weights included)."""
+    return copy.deepcopy(module).to_empty(device="cpu").double()
+
+
+@torch.no_grad()
+def loads_as_saved(old: nn.Module, new: nn.Module) -> bool:
+    """Whether ``old``'s class, given ``new``'s state dict (strictly), computes what ``new`` does:
+    then a plain ``from_pretrained`` of the saved model rebuilds this layer faithfully.
+
+    Both run on the probe's float64 ``(2, 3, C)`` input with random weights; layers of other
+    layouts (channels-first) are not plain.
+    """
+    spec = norm_spec(new)
+    if spec is None or spec.channel_dim != -1 or not spec.num_channels:
+        return False
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    with cpu_float64():
+        reference = _clone(old, gen)
+        trial = _float64_cpu(new)
+        for t in trial.state_dict().values():
+            if t.is_floating_point():
+                t.uniform_(0.5, 1.5, generator=gen)
+        try:
+            reference.load_state_dict(trial.state_dict(), strict=True)
+        except (RuntimeError, KeyError):  # other keys or shapes: the family's class cannot take them
+            return False
+        x = _probe_input(spec.num_channels, gen)
+        try:
+            y_old = type(old).forward(reference, x)
+        except Exception:  # noqa: BLE001 - not runnable like this: not plain
+            return False
+        y_new = type(new).forward(trial, x)
+    # the probe's tolerance: transformers' norms compute in float32 inside (~1e-7), another formula is off by > 1e-2
+    return float((y_old.double() - y_new).abs().max() / y_new.abs().max().clamp_min(1e-30)) <= TOLERANCE
+
+
+def _relative(name: str, prefix: str) -> Optional[str]:
+    if not prefix:
+        return name
+    return name[len(prefix) + 1:] if name.startswith(f"{prefix}.") else None
+
+
+def record_in_configs(model: nn.Module, report: SwapReport, built: dict[str, tuple[nn.Module, nn.Module]]) -> None:
+    """Write the layers this swap changed into the config of every transformers model in ``model``.
+
+    Args:
+        model: the swapped model (a transformers model, or any module holding one).
+        report: what the swap did (converted layers, added QK-norms).
+        built: converted layer name -> ``(old module, new module)``.
+    """
+    names = [*report.changes, *report.qk_added]
+    if not names:
+        return
+    modules = dict(model.named_modules())
+    for prefix, root in hf_roots(model):
+        record = copy.deepcopy(swap_record(root)) or {"format": _FORMAT, "layers": {}}
+        layers: dict[str, LayerRecord] = record.setdefault("layers", {})
+        for name in names:
+            rel = _relative(name, prefix)
+            module = modules.get(name)
+            spec = norm_spec(module) if module is not None else None
+            if rel is None or spec is None:
+                continue
+            entry = layer_record(rel, module, spec)
+            if name in built:
+                old, new = built[name]
+                earlier = layers.get(rel, {}).get("plain", True)  # a layer swapped twice: against the family's
+                entry["plain"] = bool(earlier and loads_as_saved(old, new))
+            else:  # an added QK-norm: the family has no such layer
+                entry["plain"] = False
+            if is_qk_name(rel):
+                entry["qk"] = True
+            layers[rel] = entry
+        record["version"] = __version__
+        setattr(root.config, RECORD_KEY, record)
+        if not all(entry.get("plain") for entry in layers.values()):
+            root.config.attn_implementation = GUARD

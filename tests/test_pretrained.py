@@ -1,0 +1,164 @@
+"""``save_pretrained`` and ``lightning_mrs.from_pretrained``: a swapped transformers model comes back exactly.
+
+Every swap is recorded in the model's config; the reloaded model reproduces the saved one's
+logits bit for bit. A plain ``AutoModelForCausalLM.from_pretrained`` gives the same model where
+every layer keeps the family's convention (an ``rms`` swap, Gemma's offset included) and refuses
+the directory otherwise (never another model). Families: Llama, Gemma (``1 + w``), Qwen3 (its own
+QK-norms), Phi with ``qk_layernorm``, GPT-2 and GPT-NeoX (fused projections).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.hf import tiny_causal_lm, token_batch, transformers
+from lightning_mrs import MRSNorm, OffsetRMSNorm, from_pretrained, swap_norms
+from lightning_mrs.swap.hf_record import GUARD
+
+#: (family, config overrides, swap options, whether plain transformers loads it as it is)
+CASES = [
+    ("llama", {}, dict(target="mrs"), False),
+    ("llama", {}, dict(target="rms"), True),
+    ("llama", {}, dict(target="layer"), False),
+    ("llama", {}, dict(target=None, qk_norm="mrs"), False),
+    ("llama", {}, dict(target="rms", qk_norm="rms"), False),
+    ("gemma", {}, dict(target="rms"), True),
+    ("gemma", {}, dict(target="mrs"), False),
+    ("qwen3", {}, dict(target="mrs"), False),
+    ("qwen3", {}, dict(target="rms"), True),
+    ("phi", dict(qk_layernorm=True), dict(target="mrs", qk_norm="mrs"), False),
+    ("gpt2", {}, dict(target="mrs", qk_norm="mrs"), False),
+    ("gpt_neox", {}, dict(target=None, qk_norm="rms"), False),
+]
+
+
+def _ids(case: tuple) -> str:
+    family, _, options, _ = case
+    return f"{family}-" + "-".join(f"{k}={v}" for k, v in options.items())
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    transformers.logging.set_verbosity_error()
+
+
+def _saved(tmp_path: Path, family: str, config: dict, options: dict) -> tuple[torch.nn.Module, Path]:
+    model = tiny_causal_lm(family, **config)
+    swap_norms(model, **options)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.05 * torch.randn_like(p))  # "trained": no layer sits at its init
+    model.save_pretrained(tmp_path)
+    return model, tmp_path
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_reload_reproduces_the_logits_bit_for_bit(tmp_path, case):
+    family, config, options, _ = case
+    model, path = _saved(tmp_path, family, config, options)
+    again = from_pretrained(path, attn_implementation="eager")
+    assert type(again) is type(model)
+    assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert again.config.lightning_mrs["layers"] == model.config.lightning_mrs["layers"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_plain_transformers_loads_the_same_model_or_refuses(tmp_path, case):
+    family, config, options, plain = case
+    model, path = _saved(tmp_path, family, config, options)
+    saved = json.loads((path / "config.json").read_text())
+    assert ("attn_implementation" in saved) == (not plain)
+    if not plain:
+        assert saved["attn_implementation"] == GUARD
+        with pytest.raises(ValueError, match="lightning_mrs.from_pretrained"):
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+        assert transformers.AutoConfig.from_pretrained(path).model_type == model.config.model_type  # config still reads
+        return
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    loaded.config._attn_implementation = "eager"
+    ids = token_batch()
+    with torch.no_grad():  # the family's own classes: the same formula, float32 inside
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_rms_keeps_the_stored_weight_convention(tmp_path):
+    model = tiny_causal_lm("gemma")
+    before = model.model.norm.weight.detach().clone()  # Gemma stores w; the layer computes 1 + w
+    swap_norms(model, "rms")
+    assert isinstance(model.model.norm, OffsetRMSNorm) and torch.equal(model.model.norm.weight, before)
+
+
+def test_mrs_weights_refuse_a_plain_load_even_with_an_explicit_attention(tmp_path):
+    """``attn_implementation=`` overrides the guard; an MRS body still fails on its weights' shapes."""
+    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
+    with pytest.raises(RuntimeError, match="mismatch"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+
+def test_a_directory_without_a_record_loads_as_transformers_does(tmp_path):
+    model = tiny_causal_lm("llama")
+    model.save_pretrained(tmp_path)
+    again = from_pretrained(tmp_path, attn_implementation="eager")
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    assert not hasattr(again.config, "lightning_mrs")
+
+
+def test_weights_that_do_not_fit_the_record_are_an_error(tmp_path):
+    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
+    config = json.loads((path / "config.json").read_text())
+    del config["lightning_mrs"]["layers"]["model.norm"]  # an edited config.json: that norm stays LlamaRMSNorm
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mismatched \['model.norm.weight'\]"):
+        from_pretrained(path)
+
+
+def test_dtype_and_a_device_map_go_to_transformers(tmp_path):
+    model, path = _saved(tmp_path, "llama", {}, dict(target="mrs", qk_norm="mrs"))
+    again = from_pretrained(path, dtype=torch.bfloat16, device_map="cpu", attn_implementation="eager")
+    assert isinstance(again.model.norm, MRSNorm) and again.model.norm.weight.dtype == torch.bfloat16
+    ids = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits.float(), model(ids).logits, atol=0.1, rtol=0.05)
+
+
+def test_disk_offload_loads_the_swapped_model(tmp_path):
+    """``device_map`` with disk offload: the swap happens before accelerate takes the weights."""
+    pytest.importorskip("accelerate")
+    model, path = _saved(tmp_path / "model", "llama", {}, dict(target="mrs", qk_norm="mrs"))
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = from_pretrained(path, device_map=device_map, offload_folder=str(tmp_path / "offload"),
+                                attn_implementation="eager")
+    ids = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_a_second_swap_keeps_the_first_in_the_record(tmp_path):
+    model = tiny_causal_lm("llama")
+    swap_norms(model, "rms")  # own kind: plain
+    assert "attn_implementation" not in vars(model.config)
+    swap_norms(model, None, qk_norm="mrs")  # added QK-norms: not plain any more
+    layers = model.config.lightning_mrs["layers"]
+    assert layers["model.norm"] == dict(kind="rms", channel_dim=-1, spatial=None, eps=1e-6, plain=True,
+                                        **{"from": "LlamaRMSNorm: rms(x) * w, eps=1e-06"})
+    assert layers["model.layers.1.self_attn.k_norm"]["qk"] and not layers["model.layers.1.self_attn.k_norm"]["plain"]
+    assert model.config.attn_implementation == GUARD
+    model.save_pretrained(tmp_path)
+    again = from_pretrained(tmp_path, attn_implementation="eager")
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
