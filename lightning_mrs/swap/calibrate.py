@@ -153,6 +153,7 @@ def _set(layer: nn.Module, g: Tensor, b: Optional[Tensor], paired: bool) -> None
         bias.copy_(b.to(bias.dtype))
 
 
+@torch.no_grad()
 def calibrate(model: nn.Module, layers: list[tuple[str, nn.Module, Callable[[Tensor], Tensor]]],
               calibration: Calibration) -> dict[str, tuple[float, float]]:
     """Fit the affine weights of ``layers`` (``(name, new layer, target of its input)``) in
