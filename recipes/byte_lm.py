@@ -1,53 +1,24 @@
-"""Train a byte-level causal language model with MRSNorm (or a baseline norm), via LightningCLI.
+"""The language-model recipe's LightningModule: a transformers causal LM on bytes, its norms swapped at build.
 
-Run from the repository root (no subcommand: the script fits, validating every
-``--trainer.val_check_interval`` steps):
+:class:`ByteLM` is what ``recipes/lm.py`` trains (its command line) and what the LM stress sweeps
+(:mod:`recipes.sweeps.lm_cell`) train cell by cell. The model is built in one place,
+:func:`build_byte_model`: the config (:mod:`recipes.causal_lm`, checked before any weight exists),
+the model, the norm swap and its check. Bytes are the tokens (vocabulary 256), so ``val/bpb``
+(bits per byte) is ``val/loss / ln 2``.
 
-    # offline demo on a CPU (a 4-layer, 128-wide Llama on the standard library's sources, ~2 minutes)
-    python recipes/lm.py --config recipes/configs/lm_demo.yaml
-    # any transformers causal LM, sized by its config; your own text; the model's own norms
-    python recipes/lm.py --model.arch gpt2 --model.config '{"n_layer": 6, "n_embd": 256}' --model.norm none \\
-        --data.dataset text --data.path my_corpus/
-    # MRS QK-norms, true fp16 mixed precision (with a loss scaler, also on the CPU), 4 GPUs (DDP)
-    python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
-    # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
-    python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
-    python recipes/lm.py --help
+Logged: ``train/loss`` (nats per byte), ``train/tokens_per_s`` (all processes), ``val/loss``,
+``val/bpb``, and the learning curve ``bpb/train`` and ``bpb/val`` (bits per byte of training and
+validation), which TensorBoard shows first, each with the unigram entropy of its split's bytes (the
+bits per byte of a model that ignores the context) as the run ``<run>/unigram`` on the same chart;
+at each validation a greedy continuation of ``prompt`` (``samples/greedy``, TensorBoard's Text tab).
 
-The model (:mod:`recipes.causal_lm`) is any transformers causal LM (``--model.arch``: a
-``model_type``) built from its config with small defaults and ``--model.config`` overrides,
-nothing downloaded. Bytes are the tokens (vocabulary 256), so ``val/bpb`` (bits per byte) is
-``val/loss / ln 2``. The data (:mod:`recipes.text_data`): the interpreter's standard library
-(``stdlib``) or your text files (``text``), split by file, random windows for training and a
-fixed set for validation.
-
-Defaults: AdamW (betas 0.9/0.95, lr 1e-3, decoupled weight decay 0.1 on weight matrices only:
-not on norms, biases and embeddings), linear warm-up then cosine decay stepped every step,
-gradient clipping at norm 1 (``--trainer.gradient_clip_val``), 2000 steps
-(``--trainer.max_steps``), validation every 250; precision ``bf16-mixed`` on GPUs that support
-it (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given.
-``16-mixed`` is float16 autocast with a loss scaler on every device: on the CPU, where Lightning
-would silently run bfloat16, the recipe passes ``MixedPrecision("16-mixed", "cpu",
-GradScaler("cpu"))``; the log says which dtype the activations ran in. Metrics:
-``train/loss``, ``train/tokens_per_s`` (all processes), ``val/loss``, ``val/bpb``; at each
-validation a greedy continuation of ``--model.prompt`` goes to TensorBoard's Text tab
-(``samples/greedy``). Checkpoints ``last.ckpt`` and the best ``val/loss``.
-
-A user mistake (an unknown ``--model.arch`` or config field, a requested norm swap that
-converts nothing, a folder without text, too little text, ...) is one ``error: ...`` line on
-stderr and exit status 2.
+Example:
+    >>> lm = ByteLM(config={"num_hidden_layers": 2, "hidden_size": 32}, norm="none", seq_len=32)  # doctest: +SKIP
+    >>> lm(torch.zeros(2, 32, dtype=torch.long)).shape  # doctest: +SKIP
+    torch.Size([2, 32, 256])
 """
 
 from __future__ import annotations
-
-if __name__ == "__main__":  # `python recipes/lm.py`: run this file as the module recipes.lm
-    import os as _os
-    import sys as _sys
-
-    _sys.path[0] = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))  # the repository root
-    from recipes.lm import run
-
-    _sys.exit(run())
 
 import math
 import os
@@ -59,37 +30,69 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_mrs import MRSNorm, SwapOptions, swap_norms
-from recipes.causal_lm import build_causal_lm, decoder_layers, require_transformers
+from lightning_mrs import MRSNorm, SwapOptions, SwapReport, swap_norms
+from recipes.causal_lm import build_causal_lm, decoder_layers, head_size
 from recipes.errors import UsageError
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
 from recipes.text_corpus import unigram_entropy
-from recipes.text_data import TextDataModule
-from recipes.hparams import FINAL, HParamsSummary, RunLogger
-from recipes.training import ValidateAtEnd, build_quietly, check_model_options, cpu_fp16, default_precision, run_main
+from recipes.training import check_model_options
 
-__all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "main", "run"]
+__all__ = ["DEFAULT_PROMPT", "NORMS", "ByteLM", "FSDP2Strategy", "build_byte_model"]
 
 NORMS = ("mrs", "rms", "layer", "none")
 DEFAULT_PROMPT = "def __init__(self"
+#: the learning curve's tag group: first in TensorBoard's Time Series (before attention/, outlier/, phasor/)
+CURVE = "bpb"
+#: the run beside the model's (``<run>/unigram``) that draws the unigram baselines on the curve's charts
+UNIGRAM_RUN = "unigram"
+
+
+def build_byte_model(arch: str, config: Optional[dict[str, Any]], norm: str, qk_norm: str, mrs_backend: str,
+                     seq_len: int, attn_implementation: Optional[str] = None) -> tuple[nn.Module, Optional[SwapReport]]:
+    """The byte model and its swap report: ``arch``'s config with ``config`` (checked), the randomly
+    initialised model, its norms swapped to ``norm`` (``none``: kept) with a ``qk_norm`` QK-norm added,
+    and every MRSNorm on ``mrs_backend``.
+
+    Raises:
+        UsageError: a config :func:`recipes.causal_lm.build_config` refuses, an MRS QK-norm on heads of
+            odd width, or a swap that converts nothing (:func:`recipes.lm_checks.check_swap`).
+    """
+    model = build_causal_lm(arch, config, seq_len, attn_implementation)
+    hf_config = getattr(model, "config", None)
+    width = head_size(hf_config) if hf_config is not None else None
+    if qk_norm == "mrs" and width is not None and width % 2:
+        raise UsageError(f"--model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the {arch} "
+                         f"model's attention heads are {width} wide (odd); give an even head_dim (or hidden_size / "
+                         "num_attention_heads) in --model.config, or --model.qk_norm rms or layer.")
+    report = None
+    if norm != "none" or qk_norm != "none":
+        options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
+        with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
+            warnings.simplefilter("always")
+            report = swap_norms(model, options)
+        check_swap(model, arch, norm, qk_norm, report)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for module in model.modules():
+        if isinstance(module, MRSNorm):
+            module.backend = mrs_backend
+    return model, report
 
 
 class ByteLM(pl.LightningModule):
     """A transformers causal LM on bytes whose norms are swapped to MRSNorm (or a baseline) at build.
 
     The swap happens in ``__init__``, so ``ByteLM.load_from_checkpoint(path)`` rebuilds the same
-    architecture from the saved hyperparameters and loads the weights.
+    architecture from the saved hyperparameters and loads the weights. A resumed fit takes the
+    learning rate, betas and weight decay of this run (the optimizer's saved state keeps the old
+    ones otherwise): what the command line says is what trains.
 
     Args:
         arch: a transformers ``model_type`` with a causal-LM head (see :mod:`recipes.causal_lm`).
@@ -112,11 +115,6 @@ class ByteLM(pl.LightningModule):
         attn_implementation: transformers' attention (``sdpa``, ``eager``); ``None``: its default.
         prompt: the text whose greedy continuation is logged at each validation.
         sample_bytes: bytes of that continuation (0: none).
-
-    Example:
-        >>> lm = ByteLM(config={"num_hidden_layers": 2, "hidden_size": 32}, norm="none", seq_len=32)  # doctest: +SKIP
-        >>> lm(torch.zeros(2, 32, dtype=torch.long)).shape  # doctest: +SKIP
-        torch.Size([2, 32, 256])
     """
 
     def __init__(
@@ -148,23 +146,17 @@ class ByteLM(pl.LightningModule):
             chosen["betas"] = (0.9, 0.95)
         self.save_hyperparameters()
         self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
-        self.model = build_causal_lm(arch, config, seq_len, attn_implementation)
-        self.swap_report = None
-        if norm != "none" or qk_norm != "none":
-            options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
-            with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
-                warnings.simplefilter("always")
-                self.swap_report = swap_norms(self.model, options)
-            check_swap(self.model, arch, norm, qk_norm, self.swap_report)
-            for w in caught:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        for module in self.model.modules():
-            if isinstance(module, MRSNorm):
-                module.backend = mrs_backend
-        self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder Linear put out
+        self.model, self.swap_report = build_byte_model(arch, config, norm, qk_norm, mrs_backend, seq_len,
+                                                        attn_implementation)
+        self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder matmul put out
         self.last_sample: Optional[str] = None
+        self._precision_said = False
         self._last_batch_end: Optional[float] = None
         self._fit_start = time.perf_counter()
+        self._start_step = 0
+        self._saved_val_bpb: Optional[tuple[int, float]] = None  # (step, val/bpb) of the resumed checkpoint
+        self._unigram: dict[str, float] = {}  # split -> bits per byte of its unigram model
+        self._unigram_writers: dict[str, Any] = {}  # TensorBoard log dir -> writer of <run>/unigram
         self._sharded = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -204,31 +196,70 @@ class ByteLM(pl.LightningModule):
         rank_zero_info(f"model: {self.hparams.arch} ({type(self.model).__name__}), {params / 1e6:.2f} M parameters")
         self._fit_start = time.perf_counter()
         dm = getattr(self.trainer, "datamodule", None)
-        if getattr(dm, "val_split", None) is not None:  # the bpb of a model that ignores the context
-            for logger in self.trainer.loggers:
-                logger.log_metrics({"data/val_unigram_bpb": unigram_entropy(dm.val_split.data)}, step=0)
+        for split in ("train", "val"):  # the bpb of a model that ignores the context
+            data = getattr(getattr(dm, f"{split}_split", None), "data", None)
+            if data is not None:
+                self._unigram[split] = unigram_entropy(data)
         per_device = getattr(dm, "batch_size", None)
         if per_device is not None:
             world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
             rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} bytes "
                            f"= {per_device} per device x {world} processes x {accumulate} accumulation")
+        self._watch_activation_dtype()
+
+    def _watch_activation_dtype(self) -> None:
+        """Record the dtype of the first decoder layer's first matmul output (``nn.Linear``, GPT-2's ``Conv1D``)."""
         layers = decoder_layers(self.model) or [self.model]
-        first = next((m for m in layers[0].modules() if isinstance(m, nn.Linear)), None)
-        if first is not None and self.activation_dtype is None:
-            def record(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        first = next((m for m in layers[0].modules()
+                      if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+                      and not isinstance(m, nn.Embedding)), None)
+        if first is None or self.activation_dtype is not None:
+            return
+
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
                 self.activation_dtype = output.dtype
                 handle.remove()
 
-            handle = first.register_forward_hook(record)
+        handle = first.register_forward_hook(record)
+
+    @override
+    def on_train_start(self) -> None:
+        self._start_step = self.trainer.global_step
+        if self.trainer.ckpt_path is not None:
+            self._apply_optimizer_options()
+        if self._start_step == 0:
+            self._log_unigram(0)
+
+    def _apply_optimizer_options(self) -> None:
+        """This run's lr, betas and weight decay on the optimizer and schedule restored from a checkpoint, at
+        the resumed step's point of the schedule (unchanged options: the same values, bit for bit)."""
+        hp = self.hparams
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["betas"] = tuple(hp.betas)
+            group["weight_decay"] = hp.weight_decay if group.get("name") == "decay" else 0.0
+            group["initial_lr"] = hp.lr
+            group["lr"] = hp.lr * factor(scheduler.last_epoch)  # LambdaLR's own formula
 
     @override
     def on_fit_end(self) -> None:
-        bpb = self.trainer.callback_metrics.get("val/bpb")
-        dm = getattr(self.trainer, "datamodule", None)
-        unigram = (f" (unigram entropy of the validation bytes {unigram_entropy(dm.val_split.data):.2f})"
-                   if getattr(dm, "val_split", None) is not None else "")
-        rank_zero_info(f"fit: {self.trainer.global_step} steps in {time.perf_counter() - self._fit_start:.0f} s; "
-                       f"val/bpb {float(bpb) if bpb is not None else float('nan'):.3f}{unigram}")
+        trainer = self.trainer
+        ran = trainer.global_step - self._start_step
+        metric = trainer.callback_metrics.get("val/bpb")
+        bpb = f"val/bpb {float(metric):.3f}" if metric is not None else "no validation"
+        if metric is None and self._saved_val_bpb is not None:
+            bpb = f"val/bpb {self._saved_val_bpb[1]:.3f} at step {self._saved_val_bpb[0]} (the checkpoint's)"
+        unigram = (f" (unigram entropy of the validation bytes {self._unigram['val']:.2f})"
+                   if "val" in self._unigram else "")
+        if ran == 0 and self._start_step > 0:
+            rank_zero_info(f"fit: nothing to train: the checkpoint is at step {self._start_step} and "
+                           f"--trainer.max_steps is {trainer.max_steps} (raise it to train on); {bpb}{unigram}")
+            return
+        span = f" ({self._start_step} -> {trainer.global_step})" if self._start_step else ""
+        rank_zero_info(f"fit: {ran} steps{span} in {time.perf_counter() - self._fit_start:.0f} s; {bpb}{unigram}")
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -238,6 +269,7 @@ class ByteLM(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        self.log(f"{CURVE}/train", loss.detach() / math.log(2))
         return loss
 
     @override
@@ -246,7 +278,8 @@ class ByteLM(pl.LightningModule):
         tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
         self.log("train/tokens_per_s", tokens / max(now - self._last_batch_end, 1e-9), on_step=True, on_epoch=False)
         self._last_batch_end = now
-        if self.trainer.global_step == 1 and batch_idx == 0:
+        if not self._precision_said and self.activation_dtype is not None:  # the fit's first batch, whatever its step
+            self._precision_said = True
             rank_zero_info(self.describe_precision())
 
     def describe_precision(self) -> str:
@@ -254,14 +287,29 @@ class ByteLM(pl.LightningModule):
         plugin = self.trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
         scaling = "no loss scaler" if scaler is None else f"loss scaler {type(scaler).__name__} on {scaler._device}"
-        return (f"precision {self.trainer.precision}: activations ran in {self.activation_dtype} "
-                f"({type(plugin).__name__}, {scaling})")
+        ran = self.activation_dtype if self.activation_dtype is not None else "a dtype not observed"
+        return f"precision {self.trainer.precision}: activations ran in {ran} ({type(plugin).__name__}, {scaling})"
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        metric = self.trainer.callback_metrics.get("val/bpb")
+        if metric is not None:
+            checkpoint["lm_val_bpb"] = (self.trainer.global_step, float(metric))
+        elif self._saved_val_bpb is not None:
+            checkpoint["lm_val_bpb"] = self._saved_val_bpb
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("lm_val_bpb")
+        self._saved_val_bpb = (int(saved[0]), float(saved[1])) if saved is not None else None
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
         self.log("val/loss", loss, sync_dist=True, batch_size=batch.shape[0])
         self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        self.log(f"{CURVE}/val", loss / math.log(2), sync_dist=True, batch_size=batch.shape[0])
 
     @override
     def on_validation_end(self) -> None:
@@ -269,7 +317,10 @@ class ByteLM(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or not self.hparams.sample_bytes:
+        if self.trainer.sanity_checking:
+            return
+        self._log_unigram(self.global_step)
+        if not self.hparams.sample_bytes:
             return
         sample = self.continuation(self.hparams.prompt, self.hparams.sample_bytes)  # every rank: FSDP2 gathers
         self.last_sample = sample
@@ -278,6 +329,28 @@ class ByteLM(pl.LightningModule):
             for logger in self.loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_text("samples/greedy", text, self.global_step)
+
+    def _log_unigram(self, step: int) -> None:
+        """The unigram baselines at ``step`` as the curve's tags of the run ``<run>/unigram`` (TensorBoard)."""
+        if not self._unigram or self._trainer is None or not self.trainer.is_global_zero:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                path = os.path.join(logger.log_dir, UNIGRAM_RUN)
+                if path not in self._unigram_writers:
+                    self._unigram_writers[path] = SummaryWriter(path)
+                writer = self._unigram_writers[path]
+                for split, bpb in self._unigram.items():
+                    writer.add_scalar(f"{CURVE}/{split}", bpb, step)
+                writer.flush()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for writer in self._unigram_writers.values():
+            writer.close()
+        self._unigram_writers.clear()
 
     @torch.no_grad()
     def continuation(self, prompt: str, length: int) -> str:
@@ -319,102 +392,3 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
-
-
-#: the final metrics of a run in TensorBoard's HParams dashboard: ``name -> (logged tag, reduction)``
-LM_SUMMARY: dict[str, tuple[str, str]] = {
-    f"{FINAL}/val_bpb": ("val/bpb", "last"),
-    f"{FINAL}/best_val_bpb": ("val/bpb", "min"),
-    f"{FINAL}/val_loss": ("val/loss", "last"),
-    f"{FINAL}/train_loss": ("train/loss", "last"),
-    f"{FINAL}/diverged": ("train/loss", "nonfinite"),
-    f"{FINAL}/mean_grad_cv": ("phasor/all/grad_cv", "mean"),
-    f"{FINAL}/max_logit": ("attention/all/logit_max", "max"),
-    f"{FINAL}/max_absmax": ("outlier/all/absmax", "max"),
-}
-
-
-class LMCLI(LightningCLI):
-    """LightningCLI with the LM recipe's checkpointing, precision and data checks (one-line errors)."""
-
-    @override
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({
-            "checkpoint.monitor": "val/loss",
-            "checkpoint.mode": "min",
-            "checkpoint.save_last": True,
-            "checkpoint.filename": "best-step{step:06d}-bpb_{val/bpb:.4f}",
-            "checkpoint.auto_insert_metric_name": False,
-        })
-        parser.link_arguments("data.seq_len", "model.seq_len")
-        parser.add_argument("--ckpt_path", type=Optional[str], default=None,
-                            help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        require_transformers()
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        trainer = config.trainer
-        if trainer.precision is None:
-            trainer.precision = default_precision(trainer.accelerator)
-        if trainer.max_steps is None or trainer.max_steps <= 0:
-            raise UsageError(f"--trainer.max_steps must be > 0, got {trainer.max_steps}: the training windows are an "
-                             "endless random stream, so the run's length is its number of steps.")
-        self.fp16_plugin = cpu_fp16(trainer.precision, trainer.accelerator)
-        if self.fp16_plugin is not None:
-            trainer.precision = None  # the plugin below says it
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path and not os.path.exists(ckpt_path):
-            raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "
-                             "(e.g. <run>/lightning_logs/version_0/checkpoints/last.ckpt) or leave it out.")
-
-    @override
-    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
-        given = self._get(self.config_init, "trainer", default={})
-        strategy = given.get("strategy")
-        if strategy == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
-            kwargs["strategy"] = FSDP2Strategy()
-        if self.fp16_plugin is not None:
-            plugins = given.get("plugins") or []
-            plugins = plugins if isinstance(plugins, list) else [plugins]
-            kwargs["plugins"] = [*plugins, self.fp16_plugin]
-        if given.get("logger") in (None, True):  # Lightning's default logger, without the empty hp_metric
-            root = given.get("default_root_dir") or os.getcwd()
-            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
-        try:
-            return super().instantiate_trainer(**kwargs)
-        except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
-            raise UsageError(f"a --trainer option: {err}") from None
-
-
-def build_cli(args: Optional[list[str]] = None) -> LMCLI:
-    """Parse the command line, build the model, data and trainer, and load the text; nothing trains."""
-    return build_quietly(
-        LMCLI,
-        ByteLM,
-        TextDataModule,
-        args=args,
-        seed_everything_default=0,
-        trainer_defaults={
-            "max_steps": 2000,
-            "val_check_interval": 250,
-            "check_val_every_n_epoch": None,
-            "gradient_clip_val": 1.0,
-            "log_every_n_steps": 10,
-            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY)],
-        },
-        save_config_kwargs={"overwrite": True},
-    )
-
-
-def main(args: Optional[list[str]] = None) -> None:
-    """Parse the command line, load the text, and fit."""
-    cli = build_cli(args)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-
-
-def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors as one stderr line, exit 2."""
-    return run_main(main, args)

@@ -281,12 +281,12 @@ def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.
 
 def test_a_swap_that_converts_nothing_is_one_line(lm_error: Callable[[list[str]], str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import recipes.lm
+    import recipes.byte_lm
 
     def odd_model(*args, **kwargs) -> nn.Module:
         return nn.Sequential(nn.Embedding(256, 8), _OddNorm(), nn.Linear(8, 256))
 
-    monkeypatch.setattr(recipes.lm, "build_causal_lm", odd_model)
+    monkeypatch.setattr(recipes.byte_lm, "build_causal_lm", odd_model)
     line = lm_error([*TINY, "--model.norm", "rms"])  # the swap's own "converted none" warning is not printed
     assert line.startswith("error: --model.norm rms: swap_norms converted none of the llama model's norm layers "
                            "(_OddNorm x1; "), line
