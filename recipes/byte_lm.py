@@ -153,7 +153,7 @@ class ByteLM(pl.LightningModule):
         self._precision_said = False
         self._last_batch_end: Optional[float] = None
         self._fit_start = time.perf_counter()
-        self._start_step = 0
+        self._start_step: Optional[int] = None  # the step this fit's training started at (None: it did not)
         self._saved_val_bpb: Optional[tuple[int, float]] = None  # (step, val/bpb) of the resumed checkpoint
         self._unigram: dict[str, float] = {}  # split -> bits per byte of its unigram model
         self._unigram_writers: dict[str, Any] = {}  # TensorBoard log dir -> writer of <run>/unigram
@@ -195,6 +195,7 @@ class ByteLM(pl.LightningModule):
         params = sum(p.numel() for p in self.model.parameters())
         rank_zero_info(f"model: {self.hparams.arch} ({type(self.model).__name__}), {params / 1e6:.2f} M parameters")
         self._fit_start = time.perf_counter()
+        self._start_step = None
         dm = getattr(self.trainer, "datamodule", None)
         for split in ("train", "val"):  # the bpb of a model that ignores the context
             data = getattr(getattr(dm, f"{split}_split", None), "data", None)
@@ -247,18 +248,19 @@ class ByteLM(pl.LightningModule):
     @override
     def on_fit_end(self) -> None:
         trainer = self.trainer
-        ran = trainer.global_step - self._start_step
+        start = trainer.global_step if self._start_step is None else self._start_step  # None: nothing to train
+        ran = trainer.global_step - start
         metric = trainer.callback_metrics.get("val/bpb")
         bpb = f"val/bpb {float(metric):.3f}" if metric is not None else "no validation"
         if metric is None and self._saved_val_bpb is not None:
             bpb = f"val/bpb {self._saved_val_bpb[1]:.3f} at step {self._saved_val_bpb[0]} (the checkpoint's)"
         unigram = (f" (unigram entropy of the validation bytes {self._unigram['val']:.2f})"
                    if "val" in self._unigram else "")
-        if ran == 0 and self._start_step > 0:
-            rank_zero_info(f"fit: nothing to train: the checkpoint is at step {self._start_step} and "
+        if ran == 0 and start > 0:
+            rank_zero_info(f"fit: nothing to train: the checkpoint is at step {start} and "
                            f"--trainer.max_steps is {trainer.max_steps} (raise it to train on); {bpb}{unigram}")
             return
-        span = f" ({self._start_step} -> {trainer.global_step})" if self._start_step else ""
+        span = f" ({start} -> {trainer.global_step})" if start else ""
         rank_zero_info(f"fit: {ran} steps{span} in {time.perf_counter() - self._fit_start:.0f} s; {bpb}{unigram}")
 
     @override

@@ -53,3 +53,13 @@ def lm_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture
         return error_line(status, capfd.readouterr().err)
 
     return check
+
+
+@pytest.fixture
+def lm(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``recipes/lm.py`` run in-process as a user's command: ``lm(args) -> (exit status, output)``
+    (:class:`helpers.lm.LMRun`)."""
+    from helpers.lm import LMRun
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+    return LMRun(capfd, caplog)

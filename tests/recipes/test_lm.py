@@ -14,18 +14,12 @@ import torch
 from torch import nn
 
 from helpers import ROOT
+from helpers.lm import OWN_NORMS, TINY, TINY_CONFIG
 from helpers.scripts import run_script
 from helpers.tensorboard import event_scalars, session_start
 from recipes.errors import UsageError
 
 SCRIPT = ROOT / "recipes" / "lm.py"
-TINY_CONFIG = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
-               "intermediate_size": 64}
-TINY = ["--model.config", json.dumps(TINY_CONFIG), "--data.seq_len", "32", "--data.batch_size", "4",
-        "--data.val_windows", "8", "--trainer.accelerator", "cpu", "--trainer.max_steps", "3",
-        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1", "--model.sample_bytes", "8",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-OWN_NORMS = ["--model.norm", "none"]
 
 
 def _events(run_dir: Path):
