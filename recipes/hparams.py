@@ -171,14 +171,15 @@ class RunLogger(TensorBoardLogger):
 
 class StepCSVLogger(CSVLogger):
     """Lightning's ``CSVLogger`` with one row per logged step: what the monitors, the learning-rate
-    monitor and ``self.log`` log at one step arrives in separate calls, which ``CSVLogger`` writes as
-    separate rows; here they are merged into one. Arguments as ``CSVLogger``'s.
+    monitor, ``self.log`` and the validation log at one step arrives in separate calls, which
+    ``CSVLogger`` writes as separate rows; here they are merged into one, written once the next step's
+    figures arrive (or the run ends: ``finalize``). Arguments as ``CSVLogger``'s.
 
     Example:
         >>> import csv, tempfile
         >>> logger = StepCSVLogger(tempfile.mkdtemp())
         >>> logger.log_metrics({"train/lr": 0.1}, step=9); logger.log_metrics({"train/loss": 2.0}, step=9)
-        >>> logger.log_metrics({"train/lr": 0.1}, step=19); logger.save()
+        >>> logger.log_metrics({"train/lr": 0.1}, step=19); logger.finalize("success")
         >>> with open(logger.experiment.metrics_file_path) as f:
         ...     [(row["step"], row["train/loss"], row["train/lr"]) for row in csv.DictReader(f)]
         [('9', '2.0', '0.1'), ('19', '', '0.1')]
@@ -205,12 +206,6 @@ class StepCSVLogger(CSVLogger):
             super().log_metrics(metrics, step)
         else:
             self._pending = (step, dict(metrics))
-
-    @override
-    @rank_zero_only
-    def save(self) -> None:
-        self._flush()
-        super().save()
 
     @override
     @rank_zero_only

@@ -170,6 +170,26 @@ def test_command_line_end_to_end(tmp_path: Path) -> None:
     (["--data.dataset", "text", "--data.path", "/nonexistent/corpus"],
      "error: --data.path /nonexistent/corpus: no such file or directory"),
     (["--ckpt_path", "/nonexistent.ckpt"], "error: --ckpt_path '/nonexistent.ckpt': no such file"),
+    # inconsistent --model.config (issue 29, item 2): one line each, before any weight exists
+    (["--model.config", '{"vocab_size": 100}'],
+     "error: --model.config: vocab_size 100: the tokens are bytes, so the vocabulary is 256; drop vocab_size."),
+    (["--model.arch", "gpt2", "--model.config", '{"max_position_embeddings": 16}'],
+     "error: --model.config: gpt2's max_position_embeddings is 16, fewer than the 32 positions of a window "
+     "(--data.seq_len 32)"),
+    (["--model.config", '{"num_attention_heads": 3}'],
+     "error: --model.config {'num_attention_heads': 3}: transformers rejects this llama config: The hidden size (128) "
+     "is not a multiple of the number of attention heads (3)."),
+    (["--model.config", '{"head_dim": 15}'], "transformers rejects this llama config: RoPE requires an even rotary "
+                                             "dimension, but got `head_dim`=15"),
+    (["--model.config", '{"head_dim": 15}', "--model.qk_norm", "mrs"], "RoPE requires an even rotary dimension"),
+    (["--model.config", '{"num_key_value_heads": 3}'],
+     "error: --model.config: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (["--model.arch", "phi", "--model.qk_norm", "mrs", "--model.config",
+      '{"hidden_size": 30, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, '
+      '"partial_rotary_factor": 0.4}}'],
+     "error: --model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the phi model's attention heads "
+     "are 15 wide (odd)"),
+    (["--monitors", "[outlier, outlier]"], "error: --monitors lists outlier more than once."),
 ])
 def test_mistakes_are_one_line(lm_error: Callable[[list[str]], str], args: list[str], expected: str) -> None:
     line = lm_error([*TINY, *OWN_NORMS, *args])
