@@ -8,7 +8,8 @@ the small sizes of :data:`SMALL` (only the fields that config has, under its own
 transformers' ``attribute_map``: ``hidden_size`` is GPT-2's ``n_embd``), then the user's
 ``--model.config`` overrides. Bytes are the tokens, so ``vocab_size`` is 256 and
 ``pad_token_id`` is None (a padding index would freeze the embedding of one byte), and
-``max_position_embeddings`` defaults to the sequence length.
+``max_position_embeddings`` defaults to the sequence length; a special token id outside the 256
+bytes (GPT-2's 50256) becomes None.
 
 Example:
     >>> model = build_causal_lm("llama", {"num_hidden_layers": 1}, seq_len=32)
@@ -118,6 +119,9 @@ def build_config(arch: str, overrides: Optional[dict[str, Any]] = None, seq_len:
         values["num_key_value_heads"] = heads  # as many key/value heads as query heads, unless given
     if "head_dim" in small and "head_dim" not in given and heads and hidden:
         values["head_dim"] = hidden // heads  # the width per head follows hidden_size
+    for key in _TOKEN_IDS:  # GPT-2's 50256 and the like name no byte: transformers warns, generation would use them
+        if key not in given and key not in values and _outside_bytes(getattr(default, key, None)):
+            values[key] = None
     try:
         config = AutoConfig.for_model(arch, **values)
         if hasattr(config, "validate"):
@@ -129,12 +133,24 @@ def build_config(arch: str, overrides: Optional[dict[str, Any]] = None, seq_len:
     return config
 
 
+#: the config fields that name a token: a byte model's must be bytes (or None)
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id")
+
+
+def _outside_bytes(token: Any) -> bool:
+    tokens = token if isinstance(token, (list, tuple)) else [token]
+    return any(isinstance(t, int) and not 0 <= t < 256 for t in tokens)
+
+
 def _check_byte_model(arch: str, config: Any, overrides: dict[str, Any], seq_len: int) -> None:
     """What transformers does not check and a byte model on windows of ``seq_len`` needs."""
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab != 256:
         raise UsageError(f"--model.config: vocab_size {vocab}: the tokens are bytes, so the vocabulary is 256; "
                          "drop vocab_size.")
+    for key in _TOKEN_IDS:
+        if key in overrides and _outside_bytes(overrides[key]):
+            raise UsageError(f"--model.config: {key} {overrides[key]} is not a byte (0 to 255); give a byte or null.")
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions < seq_len:
         raise UsageError(f"--model.config: {arch}'s max_position_embeddings is {positions}, fewer than the "

@@ -231,14 +231,13 @@ class LMCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
-        self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
         self._check_model_runs()
         options = self.options()
         ckpt_path = self.config.get("ckpt_path")
-        if ckpt_path:
-            notice = check_resume(ckpt_path, self.model, RESUME, options)
-            if notice:
-                rank_zero_info(notice)
+        notice = check_resume(ckpt_path, self.model, RESUME, options) if ckpt_path else None
+        self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
+        if notice:
+            rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
         self._note_processes(given)
         monitors = list(self._get(self.config, "monitors", default=DEFAULT_MONITORS) or [])
@@ -270,9 +269,9 @@ class LMCLI(LightningCLI):
         return trainer
 
     def _check_model_runs(self) -> None:
-        """One forward of a few validation bytes: a config no check caught fails here, in one line."""
+        """One forward of a few bytes: a config no check caught fails here, in one line."""
         model = self.model
-        window = self.datamodule.val_set[0][None, : min(8, model.hparams.seq_len)].long()  # (1, T)
+        window = torch.zeros(1, min(8, model.hparams.seq_len), dtype=torch.long)  # (1, T)
         was_training = model.training
         model.eval()
         try:
