@@ -241,12 +241,6 @@ def _multi_process(tmp_path: Path, strategy: str) -> str:
     return out
 
 
-def test_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
-    out = _multi_process(tmp_path, "fsdp2")
-    assert "FSDP2: fully_shard on 2 decoder layers (LlamaDecoderLayer) and the whole model, over 2 processes" in out
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_dir()  # a sharded checkpoint
-
-
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     _multi_process(tmp_path, "ddp")

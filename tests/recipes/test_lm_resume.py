@@ -228,3 +228,21 @@ def test_resume_hint_without_a_checkpoint_names_the_last_one() -> None:
         "stopped at step 7 without a checkpoint (a multi-process run cannot save once one process has failed); "
         "the last checkpoint is run/last.ckpt; resume with\n  python recipes/lm.py --model.lr 0.1 --ckpt_path "
         "run/last.ckpt")
+
+
+def test_a_sharded_checkpoint_is_checked_by_its_metadata(tmp_path: Path) -> None:
+    """FSDP2 writes a directory of shards with ``meta.pt`` (the hyperparameters, the callbacks' states)."""
+    from recipes.checkpoints import check_resume
+    from recipes.errors import UsageError
+    from recipes.lm import RESUME
+
+    sharded = tmp_path / "last.ckpt"
+    sharded.mkdir()
+    with pytest.raises(UsageError, match=r"a directory without meta.pt, so not the checkpoint of a sharded run"):
+        check_resume(str(sharded), torch.nn.Linear(1, 1), RESUME, {"--model.norm": "mrs"})
+    torch.save({"hyper_parameters": {"norm": "none", "lr": 0.003}, "callbacks": {}}, sharded / "meta.pt")
+    with pytest.raises(UsageError, match=r"trained with --model.norm 'none' \(this run: 'mrs'\), which define"):
+        check_resume(str(sharded), torch.nn.Linear(1, 1), RESUME, {"--model.norm": "mrs"})
+    notice = check_resume(str(sharded), torch.nn.Linear(1, 1), RESUME, {"--model.norm": "none", "--model.lr": 0.01})
+    assert notice == (f"note: resuming {sharded} with options that differ from the checkpoint's, from its step on: "
+                      "--model.lr 0.003 -> 0.01")
