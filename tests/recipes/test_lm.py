@@ -248,7 +248,6 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["mrs", "rms"])
 def test_qk_norm_on_llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    pytest.importorskip("lightning_mrs.swap.attention_hf", reason="QK-norms on transformers attention not merged")
     from lightning_mrs import MRSNorm
 
     cli, _ = _fit([*TINY, *OWN_NORMS, "--model.qk_norm", kind, "--trainer.default_root_dir", str(tmp_path)],

@@ -15,8 +15,9 @@ from helpers.tensorboard import event_scalars, time_series_groups
 DEMO = ROOT / "recipes" / "configs" / "lm_demo.yaml"
 # the demo's model, data and monitors; 4 steps of 4 windows, the monitors every 2
 SHORT_DEMO = ["--config", str(DEMO), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-              "--trainer.log_every_n_steps", "2", "--data.batch_size", "4", "--data.val_windows", "8",
-              "--model.sample_bytes", "4", "--trainer.enable_progress_bar", "false"]
+              "--trainer.log_every_n_steps", "2", "--outlier.log_every_n_steps", "2", "--monitor.log_every_n_steps", "2",
+              "--data.batch_size", "4", "--data.val_windows", "8", "--model.sample_bytes", "4",
+              "--trainer.enable_progress_bar", "false"]
 
 
 def test_a_short_demo_logs_the_outliers_the_homogeneity_and_the_learning_curve_first(tmp_path: Path,
