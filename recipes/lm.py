@@ -348,6 +348,7 @@ def run(args: Optional[list[str]] = None) -> int:
     the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails."""
     argv = list(sys.argv[1:] if args is None else args)
     cli: Optional[LMCLI] = None
+    on_sigint = signal.getsignal(signal.SIGINT)
     try:
         cli = build_cli(args)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
@@ -357,7 +358,7 @@ def run(args: Optional[list[str]] = None) -> int:
         saver = _saver(cli)
         if isinstance(err, SystemExit) and saver is None:
             raise  # --help, --print_config: not an interruption
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores Ctrl-C after its shutdown
+        signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
         if saver is None:
             print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
         else:

@@ -7,9 +7,10 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import ROOT
-from helpers.lm import TINY, LMRun
+from helpers.lm import TINY, LMRun, final_weights
 from helpers.tensorboard import event_scalars, time_series_groups
 
 DEMO = ROOT / "recipes" / "configs" / "lm_demo.yaml"
@@ -58,6 +59,19 @@ def test_monitors_switch(tmp_path: Path, lm: LMRun, monitors: str, present: list
     scalars = event_scalars(tmp_path / "lightning_logs" / "version_0")
     assert all(tag in scalars for tag in present), sorted(scalars)
     assert not [t for t in scalars if t.startswith(tuple(absent))]
+
+
+def test_the_monitors_change_no_number(tmp_path: Path, lm: LMRun) -> None:
+    """The monitors observe: the same run with them (every step) and without ends with the same weights."""
+    weights = []
+    for monitors in ("[outlier, homogeneity, attention]", "[]"):
+        root = tmp_path / monitors.strip("[]").replace(", ", "-")
+        status, out = lm([*TINY, "--monitors", monitors, "--trainer.default_root_dir", str(root)])
+        assert status == 0, out[-3000:]
+        weights.append(final_weights(root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"))
+    assert weights[0]["step"] == weights[1]["step"] == 3
+    for name, tensor in weights[0]["state_dict"].items():
+        assert torch.equal(tensor, weights[1]["state_dict"][name]), name
 
 
 def test_csv_logger_writes_one_row_per_step(tmp_path: Path, lm: LMRun) -> None:
