@@ -40,8 +40,8 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-__all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "StepCSVLogger", "flatten_params",
-           "log_hparams"]
+__all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "StepCSVLogger",
+           "flatten_params", "log_hparams"]
 
 #: the tag group of the final metrics (sorts after ``val`` in TensorBoard's Time Series)
 FINAL = "z-final"

@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from recipes.errors import UsageError, report
 
-__all__ = ["QK_NORM_CHOICES", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly", "check_model_options",
-           "cpu_fp16", "default_precision", "run_main"]
+__all__ = ["QK_NORM_CHOICES", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
+           "check_model_options", "cpu_fp16", "default_precision", "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
 

@@ -26,8 +26,8 @@ AXES = ("lrs", "batch_sizes", "seeds")
 PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")
 DATASETS = ("digits", "cifar100", "folder", "synthetic", "stdlib", "text")
 # the recipes' (recipes/cifar100.py, recipes/lm.py) option names, as the sweep calls them
-_RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "--arch-kwargs"), ("--model.arch", "--arch"),
-                 ("--data.path", "--root"),
+_RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "--arch-kwargs"),
+                 ("--model.arch", "--arch"), ("--data.path", "--root"),
                  ("--data.image_size", "--image-size"), ("--data.batch_size", "--batch-sizes"),
                  ("--data.dataset", "--dataset"), ("--data.root", "--root"), ("--data.val_fraction", "the split"),
                  ("--model.mrs_backend", "--mrs-backend"), ("--model.warmup_frac", "--warmup-frac"),

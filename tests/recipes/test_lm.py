@@ -185,8 +185,8 @@ def test_command_line_end_to_end(tmp_path: Path) -> None:
     (["--model.config", '{"num_key_value_heads": 3}'],
      "error: --model.config: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (["--model.arch", "phi", "--model.qk_norm", "mrs", "--model.config",
-      '{"hidden_size": 30, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, '
-      '"partial_rotary_factor": 0.4}}'],
+      '{"hidden_size": 30, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", '
+      '"rope_theta": 10000.0, "partial_rotary_factor": 0.4}}'],
      "error: --model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the phi model's attention heads "
      "are 15 wide (odd)"),
     (["--monitors", "[outlier, outlier]"], "error: --monitors lists outlier more than once."),
