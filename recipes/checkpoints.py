@@ -117,11 +117,12 @@ def compare_options(path: str, rules: Mapping[str, str], current: Mapping[str, A
 
 
 def _same(value: Any) -> Any:
-    """A value in a comparable form (a YAML list and a tuple are the same betas)."""
+    """A value in a comparable form (a YAML list and a tuple are the same betas; no overrides, ``{}`` or
+    ``None``, are the same config)."""
     if isinstance(value, (list, tuple)):
         return tuple(_same(v) for v in value)
     if isinstance(value, Mapping):
-        return tuple(sorted((k, _same(v)) for k, v in value.items()))
+        return tuple(sorted((k, _same(v)) for k, v in value.items())) or None
     return value
 
 
