@@ -7,10 +7,11 @@ the model, the norm swap and its check. Bytes are the tokens (vocabulary 256), s
 (bits per byte) is ``val/loss / ln 2``.
 
 Logged: ``train/loss`` (nats per byte), ``train/tokens_per_s`` (all processes), ``val/loss``,
-``val/bpb``, and the learning curve ``bpb/train`` and ``bpb/val`` (bits per byte of training and
-validation), which TensorBoard shows first, each with the unigram entropy of its split's bytes (the
-bits per byte of a model that ignores the context) as the run ``<run>/unigram`` on the same chart;
-at each validation a greedy continuation of ``prompt`` (``samples/greedy``, TensorBoard's Text tab).
+``val/bpb``, and (``learning_curve``, as the recipe's command line runs it) the learning curve
+``bpb/train`` and ``bpb/val`` (bits per byte of training and validation), which TensorBoard shows
+first, each with the unigram entropy of its split's bytes (the bits per byte of a model that
+ignores the context) as the run ``<run>/unigram`` on the same chart; at each validation a greedy
+continuation of ``prompt`` (``samples/greedy``, TensorBoard's Text tab).
 
 Example:
     >>> lm = ByteLM(config={"num_hidden_layers": 2, "hidden_size": 32}, norm="none", seq_len=32)  # doctest: +SKIP
@@ -92,7 +93,9 @@ class ByteLM(pl.LightningModule):
     The swap happens in ``__init__``, so ``ByteLM.load_from_checkpoint(path)`` rebuilds the same
     architecture from the saved hyperparameters and loads the weights. A resumed fit takes the
     learning rate, betas and weight decay of this run (the optimizer's saved state keeps the old
-    ones otherwise): what the command line says is what trains.
+    ones otherwise): what the command line says is what trains. ``learning_curve`` (an attribute,
+    off by default, on in ``recipes/lm.py``) adds the learning curve ``bpb/*`` and its unigram
+    baselines (the run ``<run>/unigram``); the sweeps' cells log without it.
 
     Args:
         arch: a transformers ``model_type`` with a causal-LM head (see :mod:`recipes.causal_lm`).
@@ -157,6 +160,7 @@ class ByteLM(pl.LightningModule):
         self._saved_val_bpb: Optional[tuple[int, float]] = None  # (step, val/bpb) of the resumed checkpoint
         self._unigram: dict[str, float] = {}  # split -> bits per byte of its unigram model
         self._unigram_writers: dict[str, Any] = {}  # TensorBoard log dir -> writer of <run>/unigram
+        self.learning_curve = False  # bpb/* and the <run>/unigram baselines; the command line turns it on
         self._sharded = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -271,7 +275,8 @@ class ByteLM(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log(f"{CURVE}/train", loss.detach() / math.log(2))
+        if self.learning_curve:
+            self.log(f"{CURVE}/train", loss.detach() / math.log(2))
         return loss
 
     @override
@@ -311,7 +316,8 @@ class ByteLM(pl.LightningModule):
         loss = self._loss(batch)
         self.log("val/loss", loss, sync_dist=True, batch_size=batch.shape[0])
         self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
-        self.log(f"{CURVE}/val", loss / math.log(2), sync_dist=True, batch_size=batch.shape[0])
+        if self.learning_curve:
+            self.log(f"{CURVE}/val", loss / math.log(2), sync_dist=True, batch_size=batch.shape[0])
 
     @override
     def on_validation_end(self) -> None:
@@ -334,7 +340,7 @@ class ByteLM(pl.LightningModule):
 
     def _log_unigram(self, step: int) -> None:
         """The unigram baselines at ``step`` as the curve's tags of the run ``<run>/unigram`` (TensorBoard)."""
-        if not self._unigram or self._trainer is None or not self.trainer.is_global_zero:
+        if not (self.learning_curve and self._unigram) or self._trainer is None or not self.trainer.is_global_zero:
             return
         from torch.utils.tensorboard import SummaryWriter
 

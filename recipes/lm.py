@@ -240,6 +240,7 @@ class LMCLI(LightningCLI):
             rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
         self._note_processes(given)
+        self.model.learning_curve = True  # bpb/* first in TensorBoard, with the unigram baselines
         monitors = list(self._get(self.config, "monitors", default=DEFAULT_MONITORS) or [])
         if "attention" in monitors and self.model.hparams.qk_norm == "none":
             from lightning_mrs.swap.attention import expose_attention
