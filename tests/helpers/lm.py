@@ -33,7 +33,7 @@ class LMRun:
     def __call__(self, args: list[str]) -> tuple[int, str]:
         from recipes.lm import run
 
-        self.caplog.set_level(logging.INFO)
+        self.caplog.set_level(logging.INFO, logger="lightning.pytorch")  # as on a terminal (a sweep cell sets WARNING)
         self.caplog.clear()
         try:
             status = run(args)

@@ -59,7 +59,7 @@ def lm_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture
     monkeypatch.setattr(sys, "argv", ["lm.py"])
 
     def check(args: list[str]) -> str:
-        caplog.set_level(logging.INFO)
+        caplog.set_level(logging.INFO, logger="lightning.pytorch")
         caplog.clear()
         status = run(args)
         return error_line(status, _terminal_lines(caplog) + capfd.readouterr().err)

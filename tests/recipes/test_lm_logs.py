@@ -100,7 +100,7 @@ def test_more_cpu_processes_than_cores_is_one_notice(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(recipes.lm, "_usable_cpus", lambda: 2)
     monkeypatch.setattr("sys.argv", ["lm.py"])
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
     build_cli([*TINY, "--trainer.devices", "4", "--trainer.default_root_dir", str(tmp_path)])  # nothing starts yet
     notes = [m for m in caplog.messages if m.startswith("note: --trainer.devices")]
     assert notes == ["note: --trainer.devices 4 on the CPU starts 4 processes on 2 cores: they share the cores, so "

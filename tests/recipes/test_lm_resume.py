@@ -157,7 +157,7 @@ def test_the_options_that_may_change_are_named_once_and_apply(uninterrupted: Pat
     from recipes.lm import build_cli
 
     ckpt = _last(uninterrupted)
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
     cli = build_cli([*TINY, "--trainer.max_steps", "8", "--model.lr", "0.1", "--data.batch_size", "8",
                      "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(ckpt)])
     out = caplog.text
