@@ -117,8 +117,8 @@ class SaveOnInterrupt(Callback):
         stop = self.requested
         if trainer.world_size > 1:  # every process stops after the same step
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if not stop:
-            return
+        if not stop or 0 < trainer.max_steps <= trainer.global_step:
+            return  # no request, or the run's last step: it ends (validates, checkpoints) as it would have
         # saved where ModelCheckpoint(every_n_train_steps=...) saves, which Lightning resumes exactly; the
         # fit stops once the step's own logging is done, before anything of the next step runs
         self.saved, self.step = self.path(trainer, "last.ckpt"), trainer.global_step
