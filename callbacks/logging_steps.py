@@ -117,7 +117,7 @@ class LoggingSteps:
         first = self.first_logging_step(start, interval)
         if first < end:
             return None
-        length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} logging steps"
+        length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} steps"
         return (
             f"{self.owner}: log_every_n_steps={interval} but the run {length} (first logging step: {first}), "
             f"so no {self.tags} figure is logged. Lower {self.owner}(log_every_n_steps=...) or "

@@ -36,11 +36,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-__all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "flatten_params", "log_hparams"]
+__all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "StepCSVLogger",
+           "flatten_params", "log_hparams"]
 
 #: the tag group of the final metrics (sorts after ``val`` in TensorBoard's Time Series)
 FINAL = "z-final"
@@ -145,22 +146,72 @@ def log_hparams(loggers: Iterable[Logger], params: Mapping[str, Any], metrics: M
 class RunLogger(TensorBoardLogger):
     """The recipes' ``TensorBoardLogger``: no empty ``hp_metric`` (:func:`log_hparams` writes the real
     session), and the epoch counter Lightning adds to every ``self.log`` as ``train/epoch`` (beside
-    ``train/*`` in the Time Series, not a group of its own above them). Arguments as ``TensorBoardLogger``'s.
+    ``train/*`` in the Time Series, not a group of its own above them), or not at all with
+    ``epochs=False`` (a run on an endless stream, whose epoch is always 0). Other arguments as
+    ``TensorBoardLogger``'s.
 
     Example:
         >>> RunLogger("runs", name="demo").name
         'demo'
     """
 
-    def __init__(self, save_dir: Any, *args: Any, default_hp_metric: bool = False, **kwargs: Any) -> None:
+    def __init__(self, save_dir: Any, *args: Any, default_hp_metric: bool = False, epochs: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(save_dir, *args, default_hp_metric=default_hp_metric, **kwargs)
+        self.epochs = epochs
 
     @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
         if "epoch" in metrics:
-            metrics = {("train/epoch" if k == "epoch" else k): v for k, v in metrics.items()}
+            metrics = {"train/epoch" if k == "epoch" else k: v for k, v in metrics.items()
+                       if k != "epoch" or self.epochs}
         super().log_metrics(metrics, step)
+
+
+class StepCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` with one row per logged step: what the monitors, the learning-rate
+    monitor, ``self.log`` and the validation log at one step arrives in separate calls, which
+    ``CSVLogger`` writes as separate rows; here they are merged into one, written once the next step's
+    figures arrive (or the run ends: ``finalize``). Arguments as ``CSVLogger``'s.
+
+    Example:
+        >>> import csv, tempfile
+        >>> logger = StepCSVLogger(tempfile.mkdtemp())
+        >>> logger.log_metrics({"train/lr": 0.1}, step=9); logger.log_metrics({"train/loss": 2.0}, step=9)
+        >>> logger.log_metrics({"train/lr": 0.1}, step=19); logger.finalize("success")
+        >>> with open(logger.experiment.metrics_file_path) as f:
+        ...     [(row["step"], row["train/loss"], row["train/lr"]) for row in csv.DictReader(f)]
+        [('9', '2.0', '0.1'), ('19', '', '0.1')]
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: Optional[tuple[int, dict[str, Any]]] = None  # the step being gathered
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            step, metrics = self._pending
+            self._pending = None
+            super().log_metrics(metrics, step)
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> None:
+        if step is not None and self._pending is not None and self._pending[0] == step:
+            self._pending[1].update(metrics)
+            return
+        self._flush()
+        if step is None:
+            super().log_metrics(metrics, step)
+        else:
+            self._pending = (step, dict(metrics))
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self._flush()
+        super().finalize(status)
 
 
 class _Series:

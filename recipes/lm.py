@@ -12,14 +12,16 @@ Run from the repository root (no subcommand: the script fits, validating every
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
     # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
     python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
+    # the monitors: which run (--monitors) and their options (--outlier.*, --monitor.*, --attention.*)
+    python recipes/lm.py --monitors '[outlier, homogeneity, attention]' --outlier.log_every_n_steps 50
     python recipes/lm.py --help
 
-The model (:mod:`recipes.causal_lm`) is any transformers causal LM (``--model.arch``: a
-``model_type``) built from its config with small defaults and ``--model.config`` overrides,
-nothing downloaded. Bytes are the tokens (vocabulary 256), so ``val/bpb`` (bits per byte) is
-``val/loss / ln 2``. The data (:mod:`recipes.text_data`): the interpreter's standard library
-(``stdlib``) or your text files (``text``), split by file, random windows for training and a
-fixed set for validation.
+The model (:mod:`recipes.byte_lm`, built by :mod:`recipes.causal_lm`) is any transformers causal
+LM (``--model.arch``: a ``model_type``) built from its config with small defaults and
+``--model.config`` overrides, nothing downloaded, its config checked before any weight exists.
+Bytes are the tokens (vocabulary 256), so ``val/bpb`` (bits per byte) is ``val/loss / ln 2``. The
+data (:mod:`recipes.text_data`): the interpreter's standard library (``stdlib``) or your text files
+(``text``), split by file, random windows for training and a fixed set for validation.
 
 Defaults: AdamW (betas 0.9/0.95, lr 1e-3, decoupled weight decay 0.1 on weight matrices only:
 not on norms, biases and embeddings), linear warm-up then cosine decay stepped every step,
@@ -27,15 +29,23 @@ gradient clipping at norm 1 (``--trainer.gradient_clip_val``), 2000 steps
 (``--trainer.max_steps``), validation every 250; precision ``bf16-mixed`` on GPUs that support
 it (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given.
 ``16-mixed`` is float16 autocast with a loss scaler on every device: on the CPU, where Lightning
-would silently run bfloat16, the recipe passes ``MixedPrecision("16-mixed", "cpu",
-GradScaler("cpu"))``; the log says which dtype the activations ran in. Metrics:
-``train/loss``, ``train/tokens_per_s`` (all processes), ``val/loss``, ``val/bpb``; at each
-validation a greedy continuation of ``--model.prompt`` goes to TensorBoard's Text tab
-(``samples/greedy``). Checkpoints ``last.ckpt`` and the best ``val/loss``.
+would silently run bfloat16, and under FSDP2, which Lightning refuses it for, the recipe passes
+``MixedPrecision("16-mixed", device, GradScaler(device))``; the log says which dtype the
+activations ran in. Monitors (``--monitors``): ``OutlierMonitor`` (``outlier/*``) and
+``GradientHomogeneityMonitor`` (``phasor/*``) by default, ``AttentionMonitor`` (``attention/*``)
+on request, at ``--trainer.log_every_n_steps`` unless their own ``log_every_n_steps`` says.
+Checkpoints ``last.ckpt`` and the best ``val/loss``; the run's settings and final metrics in
+TensorBoard's HParams dashboard.
 
-A user mistake (an unknown ``--model.arch`` or config field, a requested norm swap that
-converts nothing, a folder without text, too little text, ...) is one ``error: ...`` line on
-stderr and exit status 2.
+Resuming (``--ckpt_path``): the options that define the model (:data:`RESUME`) must be those the
+checkpoint was trained with (else one error line names them); the others may change and are named
+in one notice line. Ctrl-C finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints the
+command that resumes and exits 130; the resumed run ends where the uninterrupted one would have.
+A crash saves ``crash.ckpt`` when it can (:mod:`recipes.interrupt`) and fails as usual.
+
+A user mistake (an unknown ``--model.arch`` or config field, an inconsistent config, a requested
+norm swap that converts nothing, a folder without text, too little text, a checkpoint of another
+model, ...) is one ``error: ...`` line on stderr and exit status 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -49,277 +59,34 @@ if __name__ == "__main__":  # `python recipes/lm.py`: run this file as the modul
 
     _sys.exit(run())
 
-import math
 import os
-import time
-import warnings
-from contextlib import nullcontext
+import signal
+import sys
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from typing_extensions import override
 
-from lightning_mrs import MRSNorm, SwapOptions, swap_norms
-from recipes.causal_lm import build_causal_lm, decoder_layers, require_transformers
-from recipes.errors import UsageError
-from recipes.lm_checks import check_swap
-from recipes.optim import optimizer_options, param_groups, warmup_cosine
-from recipes.text_corpus import unigram_entropy
-from recipes.text_data import TextDataModule
+from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor, OutlierMonitor
+from recipes.byte_lm import ByteLM, FSDP2Strategy
+from recipes.causal_lm import require_transformers
+from recipes.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
+from recipes.errors import UsageError, report
 from recipes.hparams import FINAL, HParamsSummary, RunLogger
-from recipes.training import ValidateAtEnd, build_quietly, check_model_options, cpu_fp16, default_precision, run_main
+from recipes.interrupt import SaveOnInterrupt
+from recipes.text_data import TextDataModule
+from recipes.training import StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision
 
-__all__ = ["ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli", "main", "run"]
+__all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
+           "cpu_fp16", "main", "run"]
 
-NORMS = ("mrs", "rms", "layer", "none")
-DEFAULT_PROMPT = "def __init__(self"
-
-
-class ByteLM(pl.LightningModule):
-    """A transformers causal LM on bytes whose norms are swapped to MRSNorm (or a baseline) at build.
-
-    The swap happens in ``__init__``, so ``ByteLM.load_from_checkpoint(path)`` rebuilds the same
-    architecture from the saved hyperparameters and loads the weights.
-
-    Args:
-        arch: a transformers ``model_type`` with a causal-LM head (see :mod:`recipes.causal_lm`).
-        config: overrides of its config (e.g. ``{"hidden_size": 256, "num_hidden_layers": 8}``).
-        norm: ``mrs`` (MRSNorm), ``rms`` (RMSNorm), ``layer`` (LayerNorm) replace every body norm
-            (a swap that converts none is a usage error); ``none`` keeps the model's own norms.
-        qk_norm: ``none``: no QK-norm is added (one the model has, e.g. Qwen3's, follows
-            ``norm``); ``mrs``/``rms``/``layer``: a per-head norm of that kind on the queries
-            and keys of every attention layer, whatever ``norm`` does (as the image recipe).
-        mrs_backend: implementation of the MRSNorm layers: ``auto``, ``eager`` or one of
-            :data:`lightning_mrs.ops.BACKENDS` (same maths; a speed/debugging knob).
-        lr: peak learning rate (reached at the end of the warm-up); ``None``: 1e-3.
-        weight_decay: AdamW's decoupled weight decay on the weight matrices (not on norms,
-            biases and embeddings); ``None``: 0.1.
-        betas: AdamW's betas; ``None``: (0.9, 0.95), the usual language-model choice.
-        warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
-        schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
-        seq_len: bytes per sample (the recipe links it to ``--data.seq_len``); sets the model's
-            ``max_position_embeddings`` unless ``config`` does.
-        attn_implementation: transformers' attention (``sdpa``, ``eager``); ``None``: its default.
-        prompt: the text whose greedy continuation is logged at each validation.
-        sample_bytes: bytes of that continuation (0: none).
-
-    Example:
-        >>> lm = ByteLM(config={"num_hidden_layers": 2, "hidden_size": 32}, norm="none", seq_len=32)  # doctest: +SKIP
-        >>> lm(torch.zeros(2, 32, dtype=torch.long)).shape  # doctest: +SKIP
-        torch.Size([2, 32, 256])
-    """
-
-    def __init__(
-        self,
-        arch: str = "llama",
-        config: Optional[dict[str, Any]] = None,
-        norm: Literal["mrs", "rms", "layer", "none"] = "mrs",
-        qk_norm: Literal["none", "mrs", "rms", "layer"] = "none",
-        mrs_backend: str = "auto",
-        lr: Optional[float] = None,
-        weight_decay: Optional[float] = None,
-        betas: Optional[tuple[float, float]] = None,
-        warmup_frac: float = 0.05,
-        schedule: Literal["cosine", "constant"] = "cosine",
-        seq_len: int = 128,
-        attn_implementation: Optional[str] = None,
-        prompt: str = DEFAULT_PROMPT,
-        sample_bytes: int = 64,
-    ) -> None:
-        super().__init__()
-        check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
-                            mrs_backend=mrs_backend)
-        if sample_bytes < 0 or (sample_bytes and not prompt):
-            raise UsageError("--model.sample_bytes must be >= 0, with a non-empty --model.prompt.")
-        chosen = optimizer_options("adamw", lr=lr, weight_decay=weight_decay, betas=betas)
-        if weight_decay is None:
-            chosen["weight_decay"] = 0.1
-        if betas is None:
-            chosen["betas"] = (0.9, 0.95)
-        self.save_hyperparameters()
-        self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
-        self.model = build_causal_lm(arch, config, seq_len, attn_implementation)
-        self.swap_report = None
-        if norm != "none" or qk_norm != "none":
-            options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
-            with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
-                warnings.simplefilter("always")
-                self.swap_report = swap_norms(self.model, options)
-            check_swap(self.model, arch, norm, qk_norm, self.swap_report)
-            for w in caught:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        for module in self.model.modules():
-            if isinstance(module, MRSNorm):
-                module.backend = mrs_backend
-        self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder Linear put out
-        self.last_sample: Optional[str] = None
-        self._last_batch_end: Optional[float] = None
-        self._fit_start = time.perf_counter()
-        self._sharded = False
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits  # (N, T) -> (N, T, 256)
-
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        window = batch.long()  # (N, T + 1) bytes
-        logits = self(window[:, :-1])  # (N, T, 256)
-        return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())  # nats per byte
-
-    # ------------------------------------------------------------------ fitting
-    @override
-    def configure_model(self) -> None:
-        mesh = self.device_mesh  # set by ModelParallelStrategy only
-        if mesh is None or self._sharded:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
-            raise UsageError("ModelParallelStrategy: the LM recipe shards data-parallel only (FSDP2); give it "
-                             "tensor_parallel_size=1.")
-        dp = mesh["data_parallel"]
-        layers = decoder_layers(self.model)
-        kinds = ", ".join(sorted({type(layer).__name__ for layer in layers})) or "no decoder layer found"
-        for layer in layers:  # one all-gather per block, as transformers' own FSDP wrapping does
-            fully_shard(layer, mesh=dp)
-        fully_shard(self.model, mesh=dp)
-        self._sharded = True
-        rank_zero_info(f"FSDP2: fully_shard on {len(layers)} decoder layers ({kinds}) and the whole model, "
-                       f"over {dp.size()} processes")
-
-    @override
-    def on_fit_start(self) -> None:
-        if self.swap_report is not None:
-            rank_zero_info(str(self.swap_report))
-        params = sum(p.numel() for p in self.model.parameters())
-        rank_zero_info(f"model: {self.hparams.arch} ({type(self.model).__name__}), {params / 1e6:.2f} M parameters")
-        self._fit_start = time.perf_counter()
-        dm = getattr(self.trainer, "datamodule", None)
-        if getattr(dm, "val_split", None) is not None:  # the bpb of a model that ignores the context
-            for logger in self.trainer.loggers:
-                logger.log_metrics({"data/val_unigram_bpb": unigram_entropy(dm.val_split.data)}, step=0)
-        per_device = getattr(dm, "batch_size", None)
-        if per_device is not None:
-            world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
-            rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} bytes "
-                           f"= {per_device} per device x {world} processes x {accumulate} accumulation")
-        layers = decoder_layers(self.model) or [self.model]
-        first = next((m for m in layers[0].modules() if isinstance(m, nn.Linear)), None)
-        if first is not None and self.activation_dtype is None:
-            def record(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-                self.activation_dtype = output.dtype
-                handle.remove()
-
-            handle = first.register_forward_hook(record)
-
-    @override
-    def on_fit_end(self) -> None:
-        bpb = self.trainer.callback_metrics.get("val/bpb")
-        dm = getattr(self.trainer, "datamodule", None)
-        unigram = (f" (unigram entropy of the validation bytes {unigram_entropy(dm.val_split.data):.2f})"
-                   if getattr(dm, "val_split", None) is not None else "")
-        rank_zero_info(f"fit: {self.trainer.global_step} steps in {time.perf_counter() - self._fit_start:.0f} s; "
-                       f"val/bpb {float(bpb) if bpb is not None else float('nan'):.3f}{unigram}")
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._last_batch_end is None:
-            self._last_batch_end = time.perf_counter()  # the first step's clock starts here
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        now = time.perf_counter()
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
-        self.log("train/tokens_per_s", tokens / max(now - self._last_batch_end, 1e-9), on_step=True, on_epoch=False)
-        self._last_batch_end = now
-        if self.trainer.global_step == 1 and batch_idx == 0:
-            rank_zero_info(self.describe_precision())
-
-    def describe_precision(self) -> str:
-        """Which dtype the activations ran in, under which precision setting and loss scaler."""
-        plugin = self.trainer.precision_plugin
-        scaler = getattr(plugin, "scaler", None)
-        scaling = "no loss scaler" if scaler is None else f"loss scaler {type(scaler).__name__} on {scaler._device}"
-        return (f"precision {self.trainer.precision}: activations ran in {self.activation_dtype} "
-                f"({type(plugin).__name__}, {scaling})")
-
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, sync_dist=True, batch_size=batch.shape[0])
-        self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
-
-    @override
-    def on_validation_end(self) -> None:
-        self._last_batch_end = None  # the next step's clock starts with it, not with the validation
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or not self.hparams.sample_bytes:
-            return
-        sample = self.continuation(self.hparams.prompt, self.hparams.sample_bytes)  # every rank: FSDP2 gathers
-        self.last_sample = sample
-        if self.trainer.is_global_zero:
-            text = "\n".join("    " + line for line in (self.hparams.prompt + sample).splitlines())  # markdown code
-            for logger in self.loggers:
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_text("samples/greedy", text, self.global_step)
-
-    @torch.no_grad()
-    def continuation(self, prompt: str, length: int) -> str:
-        """The greedy continuation of ``prompt`` (``length`` bytes, decoded as UTF-8 with replacement)."""
-        ids = list(prompt.encode("utf-8"))
-        context = self.trainer.precision_plugin.forward_context() if self._trainer is not None else nullcontext()
-        was_training = self.training
-        self.eval()
-        with context:
-            for _ in range(length):
-                x = torch.tensor([ids[-self.hparams.seq_len:]], device=self.device)  # (1, T)
-                ids.append(int(self(x)[0, -1].argmax()))
-        self.train(was_training)
-        return bytes(ids[len(prompt.encode("utf-8")):]).decode("utf-8", errors="replace")
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        embeddings = {f"{name}.{p}" if name else p for name, m in self.model.named_modules()
-                      if isinstance(m, nn.Embedding) for p, _ in m.named_parameters(recurse=False)}
-        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, no_decay=embeddings), lr=hp.lr,
-                                      betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
-
-
-class FSDP2Strategy(ModelParallelStrategy):
-    """``--trainer.strategy fsdp2``: ModelParallelStrategy sharding over every process, no tensor parallelism.
-
-    ModelParallelStrategy's ``"auto"`` sizes make every device of a node tensor-parallel; the
-    recipe's :meth:`ByteLM.configure_model` shards data-parallel only (``fully_shard`` per decoder
-    layer, then the whole model), so its data-parallel group is all the processes.
-    """
-
-    @override
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
+SCRIPT = "recipes/lm.py"
 
 #: the final metrics of a run in TensorBoard's HParams dashboard: ``name -> (logged tag, reduction)``
 LM_SUMMARY: dict[str, tuple[str, str]] = {
@@ -333,9 +100,71 @@ LM_SUMMARY: dict[str, tuple[str, str]] = {
     f"{FINAL}/max_absmax": ("outlier/all/absmax", "max"),
 }
 
+#: what each option is to a resumed run (``--ckpt_path``); a new option is one line here
+RESUME: dict[str, str] = {
+    "--model.arch": DEFINES_MODEL,
+    "--model.config": DEFINES_MODEL,
+    "--model.norm": DEFINES_MODEL,
+    "--model.qk_norm": DEFINES_MODEL,
+    "--data.seq_len": DEFINES_MODEL,  # the model's positions (max_position_embeddings) and the windows
+    "--model.lr": MAY_CHANGE,
+    "--model.weight_decay": MAY_CHANGE,
+    "--model.betas": MAY_CHANGE,
+    "--model.warmup_frac": MAY_CHANGE,
+    "--model.schedule": MAY_CHANGE,
+    "--model.mrs_backend": MAY_CHANGE,
+    "--model.attn_implementation": MAY_CHANGE,
+    "--data.dataset": MAY_CHANGE,
+    "--data.path": MAY_CHANGE,
+    "--data.batch_size": MAY_CHANGE,
+    "--data.val_fraction": MAY_CHANGE,
+    "--data.split_seed": MAY_CHANGE,
+    "--data.val_windows": MAY_CHANGE,
+    "--trainer.max_steps": MAY_CHANGE,
+    "--trainer.precision": MAY_CHANGE,
+    "--trainer.accumulate_grad_batches": MAY_CHANGE,
+    "--trainer.gradient_clip_val": MAY_CHANGE,
+    "--trainer.devices": MAY_CHANGE,
+    "--trainer.num_nodes": MAY_CHANGE,
+    "--seed_everything": MAY_CHANGE,
+}
+
+#: ``--monitors`` choices -> (the monitor, its option group: ``--monitor.*`` as in the image recipe)
+MONITORS: dict[str, tuple[type, str]] = {
+    "outlier": (OutlierMonitor, "outlier"),
+    "homogeneity": (GradientHomogeneityMonitor, "monitor"),
+    "attention": (AttentionMonitor, "attention"),
+}
+DEFAULT_MONITORS = ["outlier", "homogeneity"]
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _on_cpu(accelerator: Any) -> bool:
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    return name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
+
+
+def fp16_plugin(precision: Any, accelerator: Any, strategy: Any) -> Optional[Any]:
+    """The plugin of real float16 autocast with a loss scaler where Lightning would not give it: on the CPU
+    (:func:`recipes.training.cpu_fp16`) and under ``--trainer.strategy fsdp2`` on a GPU (Lightning refuses
+    ``16-mixed`` with ModelParallelStrategy; torch's ``GradScaler`` is right there: its Inf/NaN check of
+    FSDP2's sharded gradients is reduced over the shards by DTensor, so every process skips the same steps)."""
+    plugin = cpu_fp16(precision, accelerator)
+    if plugin is None and strategy == "fsdp2" and str(precision) in ("16-mixed", "16") and torch.cuda.is_available():
+        from lightning.pytorch.plugins import MixedPrecision
+
+        plugin = MixedPrecision("16-mixed", "cuda", scaler=torch.amp.GradScaler("cuda"))
+    return plugin
+
 
 class LMCLI(LightningCLI):
-    """LightningCLI with the LM recipe's checkpointing, precision and data checks (one-line errors)."""
+    """LightningCLI with the LM recipe's checkpointing, monitors, precision, resume and data checks."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -348,6 +177,13 @@ class LMCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
         })
         parser.link_arguments("data.seq_len", "model.seq_len")
+        parser.add_argument("--monitors", type=list[Literal["outlier", "homogeneity", "attention"]],
+                            default=list(DEFAULT_MONITORS),
+                            help="the monitors that run: outlier (OutlierMonitor, options --outlier.*), homogeneity "
+                                 "(GradientHomogeneityMonitor, --monitor.*), attention (AttentionMonitor, "
+                                 "--attention.*); [] for none")
+        for name, (monitor, group) in MONITORS.items():
+            parser.add_lightning_class_args(monitor, group)  # dropped from the trainer unless in --monitors
         parser.add_argument("--ckpt_path", type=Optional[str], default=None,
                             help="resume training from this checkpoint (e.g. <run>/checkpoints/last.ckpt)")
 
@@ -361,20 +197,56 @@ class LMCLI(LightningCLI):
         if trainer.max_steps is None or trainer.max_steps <= 0:
             raise UsageError(f"--trainer.max_steps must be > 0, got {trainer.max_steps}: the training windows are an "
                              "endless random stream, so the run's length is its number of steps.")
-        self.fp16_plugin = cpu_fp16(trainer.precision, trainer.accelerator)
+        chosen = list(config.monitors or [])
+        repeated = sorted({m for m in chosen if chosen.count(m) > 1})
+        if repeated:
+            raise UsageError(f"--monitors lists {', '.join(repeated)} more than once.")
+        self.precision = str(trainer.precision)  # as asked; the plugin below may take its place
+        self.fp16_plugin = fp16_plugin(trainer.precision, trainer.accelerator, trainer.strategy)
         if self.fp16_plugin is not None:
             trainer.precision = None  # the plugin below says it
+        _one_row_per_step(trainer)
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and not os.path.exists(ckpt_path):
             raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "
                              "(e.g. <run>/lightning_logs/version_0/checkpoints/last.ckpt) or leave it out.")
 
+    def options(self) -> dict[str, Any]:
+        """This run's value of every :data:`RESUME` option (the model's and the data's resolved)."""
+        given = self._get(self.config, "trainer", default={})
+        values: dict[str, Any] = {}
+        for option in RESUME:
+            section, _, key = option[2:].partition(".")
+            if section == "model":
+                values[option] = self.model.hparams.get(key)
+            elif section == "data":
+                values[option] = self.datamodule.hparams.get(key)
+            elif option == "--trainer.precision":
+                values[option] = self.precision
+            elif section == "trainer":
+                values[option] = given.get(key)
+            else:
+                values[option] = self._get(self.config, section, default=None)
+        return values
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        self._check_model_runs()
+        options = self.options()
+        ckpt_path = self.config.get("ckpt_path")
+        notice = check_resume(ckpt_path, self.model, RESUME, options) if ckpt_path else None
         self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
+        if notice:
+            rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
-        strategy = given.get("strategy")
-        if strategy == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
+        self._note_processes(given)
+        self.model.learning_curve = True  # bpb/* first in TensorBoard, with the unigram baselines
+        monitors = list(self._get(self.config, "monitors", default=DEFAULT_MONITORS) or [])
+        if "attention" in monitors and self.model.hparams.qk_norm == "none":
+            from lightning_mrs.swap.attention import expose_attention
+
+            expose_attention(self.model.model)  # same weights and outputs; the monitor sees q and k
+        if given.get("strategy") == "fsdp2":  # FSDP2 over every process: data-parallel only, no tensor parallelism
             kwargs["strategy"] = FSDP2Strategy()
         if self.fp16_plugin is not None:
             plugins = given.get("plugins") or []
@@ -382,11 +254,56 @@ class LMCLI(LightningCLI):
             kwargs["plugins"] = [*plugins, self.fp16_plugin]
         if given.get("logger") in (None, True):  # Lightning's default logger, without the empty hp_metric
             root = given.get("default_root_dir") or os.getcwd()
-            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id())
+            kwargs["logger"] = RunLogger(root, version=SLURMEnvironment.job_id(), epochs=False)
+        callbacks = given.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        callbacks.append(OptionsRecord(options))
+        if given.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(StepProgressBar())  # "train: 86/400" steps, not "Epoch 0/-2"
+        kwargs["callbacks"] = callbacks
         try:
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
             raise UsageError(f"a --trainer option: {err}") from None
+        unused = [self._get(self.config_init, group) for name, (_, group) in MONITORS.items() if name not in monitors]
+        trainer.callbacks = [c for c in trainer.callbacks if not any(c is u for u in unused)]
+        return trainer
+
+    def _check_model_runs(self) -> None:
+        """One forward of a few bytes: a config no check caught fails here, in one line."""
+        model = self.model
+        window = torch.zeros(1, min(8, model.hparams.seq_len), dtype=torch.long)  # (1, T)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(window)
+        except (RuntimeError, IndexError, ValueError, TypeError, AssertionError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise UsageError(f"--model.config {model.hparams.config or {}}: the {model.hparams.arch} model it builds "
+                             f"fails on its first bytes ({type(err).__name__}: {first}); check its sizes.") from None
+        finally:
+            model.train(was_training)
+
+    @staticmethod
+    def _note_processes(given: dict[str, Any]) -> None:
+        devices = given.get("devices")
+        if isinstance(devices, str) and devices.isdigit():
+            devices = int(devices)
+        cores = _usable_cpus()
+        if _on_cpu(given.get("accelerator", "auto")) and isinstance(devices, int) and devices > cores:
+            rank_zero_info(f"note: --trainer.devices {devices} on the CPU starts {devices} processes on {cores} cores: "
+                           "they share the cores, so each step takes longer than with fewer processes (the global "
+                           "batch stays per-device batch x processes).")
+
+
+def _one_row_per_step(trainer: Any) -> None:
+    """``--trainer.logger CSVLogger`` becomes :class:`recipes.hparams.StepCSVLogger` (same options, one row a step)."""
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if getattr(logger, "class_path", None) in ("lightning.pytorch.loggers.CSVLogger",
+                                                   "lightning.pytorch.loggers.csv_logs.CSVLogger"):
+            logger.class_path = "recipes.hparams.StepCSVLogger"
 
 
 def build_cli(args: Optional[list[str]] = None) -> LMCLI:
@@ -403,10 +320,22 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
             "check_val_every_n_epoch": None,
             "gradient_clip_val": 1.0,
             "log_every_n_steps": 10,
-            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY)],
+            "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY),
+                          SaveOnInterrupt()],
         },
         save_config_kwargs={"overwrite": True},
     )
+
+
+def _saver(cli: Optional[LMCLI]) -> Optional[SaveOnInterrupt]:
+    trainer = getattr(cli, "trainer", None)
+    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
+
+
+def _hint(cli: LMCLI, saver: SaveOnInterrupt, argv: list[str]) -> None:
+    if cli.trainer.is_global_zero:
+        last = getattr(cli.trainer.checkpoint_callback, "last_model_path", None) or None
+        print(saver.resume_hint(SCRIPT, argv, last=last), file=sys.stderr, flush=True)
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -416,5 +345,29 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors as one stderr line, exit 2."""
-    return run_main(main, args)
+    """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
+    the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails."""
+    argv = list(sys.argv[1:] if args is None else args)
+    cli: Optional[LMCLI] = None
+    on_sigint = signal.getsignal(signal.SIGINT)
+    try:
+        cli = build_cli(args)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except (UsageError, MisconfigurationException) as err:
+        return report(err)
+    except (KeyboardInterrupt, SystemExit) as err:
+        saver = _saver(cli)
+        if isinstance(err, SystemExit) and saver is None:
+            raise  # --help, --print_config: not an interruption
+        signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
+        if saver is None:
+            print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
+        else:
+            _hint(cli, saver, argv)
+        return 130
+    except Exception:
+        saver = _saver(cli)
+        if saver is not None and (saver.saved or saver.unsaved_reason):
+            _hint(cli, saver, argv)
+        raise
+    return 0

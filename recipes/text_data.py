@@ -15,8 +15,9 @@ of ``seq_len + 1`` consecutive bytes (inputs and their next-byte targets):
 
 * training: windows at uniformly random offsets of the training bytes, an endless stream
   (:class:`RandomWindows`), seeded by the run's seed (``seed_everything``), the process's
-  global rank, the DataLoader worker and the step the run starts at (a resumed run draws new
-  windows); so the run's length is ``--trainer.max_steps``, not epochs;
+  global rank and the DataLoader worker; a resumed run continues the stream after the batches
+  of the steps it has taken, so it sees exactly the windows the uninterrupted run would have;
+  the run's length is ``--trainer.max_steps``, not epochs;
 * validation: a fixed set of ``--data.val_windows`` windows at evenly spaced offsets of the
   validation bytes (:class:`FixedWindows`): every validation sees the same bytes.
 
@@ -49,21 +50,43 @@ TEXT_DATASETS = ("stdlib", "text")
 
 
 class RandomWindows(IterableDataset):
-    """An endless stream of ``(length,)`` uint8 windows at uniformly random offsets of ``data``."""
+    """An endless stream of ``(length,)`` uint8 windows at uniformly random offsets of ``data``.
 
-    def __init__(self, data: torch.Tensor, length: int, seed: int) -> None:
+    Each DataLoader worker draws from its own seeded stream (``seed``, the worker's place), 1024
+    offsets at a time, and the DataLoader takes the workers' batches in turn; so batch ``k`` of the
+    run is a function of ``seed``, ``batch_size`` and ``k`` alone. ``start_batch`` starts the stream
+    at batch ``k``: a run resumed after ``k`` batches gets exactly the windows an uninterrupted run
+    would have had next (the streams are fast-forwarded, nothing is replayed).
+    """
+
+    _BLOCK = 1024
+
+    def __init__(self, data: torch.Tensor, length: int, seed: int, batch_size: int = 1, start_batch: int = 0) -> None:
         if data.numel() < length:
             raise ValueError(f"RandomWindows: {data.numel()} bytes are fewer than one window of {length}")
+        if batch_size < 1 or start_batch < 0:
+            raise ValueError(f"RandomWindows: batch_size must be >= 1 and start_batch >= 0, got {batch_size}, "
+                             f"{start_batch}")
         self.data, self.length, self.seed = data, length, seed
+        self.batch_size, self.start_batch = batch_size, start_batch
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
-        worker = 0 if info is None else info.id
-        g = torch.Generator().manual_seed((self.seed * 1000 + worker) % 2**63)  # each worker its own stream
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        # the DataLoader asks worker 0 first: it serves batch start_batch, which belongs to stream
+        # (start_batch % workers) at that stream's batch start_batch // workers
+        first = self.start_batch + worker
+        stream, local = first % workers, first // workers
+        g = torch.Generator().manual_seed((self.seed * 1000 + stream) % 2**63)
         high = self.data.numel() - self.length + 1
+        skip = local * self.batch_size  # windows this stream served before the start
+        for _ in range(skip // self._BLOCK):
+            torch.randint(0, high, (self._BLOCK,), generator=g)
+        offset = skip % self._BLOCK
         while True:
-            for start in torch.randint(0, high, (1024,), generator=g).tolist():
+            for start in torch.randint(0, high, (self._BLOCK,), generator=g).tolist()[offset:]:
                 yield self.data[start:start + self.length]  # (length,)
+            offset = 0
 
 
 class FixedWindows(Dataset):
@@ -194,9 +217,10 @@ class TextDataModule(pl.LightningDataModule):
         self.load()
         trainer = self.trainer
         rank = trainer.global_rank if trainer is not None else 0
-        start = trainer.global_step if trainer is not None else 0  # a resumed run draws new windows
-        seed = (torch.initial_seed() * 1_000_003 + rank * 10_007 + start) % 2**62
-        return self._loader(RandomWindows(self.train_split.data, self.seq_len + 1, seed))
+        # a resumed run continues the stream after the batches of the steps it has taken
+        start = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        seed = (torch.initial_seed() * 1_000_003 + rank * 10_007) % 2**62
+        return self._loader(RandomWindows(self.train_split.data, self.seq_len + 1, seed, self.batch_size, start))
 
     @override
     def val_dataloader(self) -> DataLoader:

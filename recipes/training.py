@@ -13,15 +13,15 @@ from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from recipes.errors import UsageError, report
 
-__all__ = ["QK_NORM_CHOICES", "OneLineParser", "ValidateAtEnd", "build_quietly", "check_model_options", "cpu_fp16", "default_precision",
-           "run_main"]
+__all__ = ["QK_NORM_CHOICES", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
+           "check_model_options", "cpu_fp16", "default_precision", "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
 
@@ -37,6 +37,33 @@ class OneLineParser(LightningArgumentParser):
         if not self.exit_on_error:  # jsonargparse's nested parsers report to their parent
             super().error(message, ex)
         raise UsageError(f"{message} (options: --help)")
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar of a run whose length is ``max_steps``: ``train: 86/400`` optimizer steps.
+
+    Lightning's bars count the batches of an epoch, and an endless stream has one epoch of unknown
+    length (``Epoch 0/-2``, ``86/?``); this one counts the run's steps, from the resumed step on.
+    """
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        bar = self.train_progress_bar
+        bar.reset(total=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
+        bar.n = trainer.global_step
+        bar.set_description("train")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        step = trainer.global_step
+        if bar is None or bar.disable or step == bar.n:
+            return
+        if step % max(self.refresh_rate, 1) == 0 or step == bar.total:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # and redraws
 
 
 class ValidateAtEnd(Callback):

@@ -25,12 +25,16 @@ __all__ = ["AXES", "PER_DATASET", "in_sweep_terms", "parse_args", "usable_cpus"]
 AXES = ("lrs", "batch_sizes", "seeds")
 PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")
 DATASETS = ("digits", "cifar100", "folder", "synthetic", "stdlib", "text")
-# the recipe's (recipes/cifar100.py) option names, as the sweep calls them
-_RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.arch", "--arch"),
+# the recipes' (recipes/cifar100.py, recipes/lm.py) option names, as the sweep calls them
+_RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "--arch-kwargs"),
+                 ("--model.arch", "--arch"), ("--data.path", "--root"),
                  ("--data.image_size", "--image-size"), ("--data.batch_size", "--batch-sizes"),
                  ("--data.dataset", "--dataset"), ("--data.root", "--root"), ("--data.val_fraction", "the split"),
                  ("--model.mrs_backend", "--mrs-backend"), ("--model.warmup_frac", "--warmup-frac"),
                  ("--model.schedule", "--schedule"), ("--trainer.precision", "--precision"))
+# the recipes' fixes that name an option the sweep does not have
+_RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fraction.", ": add text to --root."),
+                 (", or lower --data.seq_len.", "."))
 QUICK_NOTE = ("--quick runs one seed per cell, so every claim of its report is inconclusive by construction "
               "(a verdict needs at least 2 seeds of every cell a claim compares; the full grid runs 3)")
 LOCK_NOTE = ("A sweep holds a lock on its shard of --out while it runs: a second sweep into the same --out and an "
@@ -48,6 +52,9 @@ def usable_cpus() -> int:
 
 def in_sweep_terms(message: str, kind: Optional[Sweep] = None) -> str:
     """A recipe's or data module's message with its option names replaced by this command's."""
+    for recipe, ours in _RECIPE_FIXES:
+        message = message.replace(recipe, ours)
+    message = re.sub(r"--data\.seq_len\b", "the sequence length", message)  # fixed per sweep kind
     for recipe, ours in _RECIPE_FLAGS:
         message = message.replace(recipe, ours)
     if kind is not None:
@@ -146,8 +153,10 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
     d.add_argument("--image-size", type=int, help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="training augmentation of the data module " + per_dataset("augment", _flag))
-    d.add_argument("--arch", help="torchvision/timm model, any the recipe takes (a ViT without an img_size in "
-                                  "--arch-kwargs gets --image-size) " + per_dataset("arch"))
+    d.add_argument("--arch", help="the model: --sweep norm and qk, a torchvision/timm model that recipes/cifar100.py "
+                                  "takes (a ViT without an img_size in --arch-kwargs gets --image-size); --sweep lm and "
+                                  "lm-qk, a transformers model_type with a causal-LM head (llama, gpt2, qwen3, ...) "
+                                  + per_dataset("arch"))
     d.add_argument("--arch-kwargs", type=json.loads,
                    help="JSON dict of model-builder arguments; the per-dataset default applies only to the "
                         "default --arch " + per_dataset("arch_kwargs", json.dumps))

@@ -128,12 +128,14 @@ def check_lm_cells(args: argparse.Namespace, cells: list[tuple[str, float, int, 
     if args.precision is not None and any("precision" in args.sweep.model_arms(arm) for arm, *_ in cells):
         raise UsageError(f"--precision: --sweep {args.sweep.name} sets the precision per arm ({args.sweep.flag}); "
                          "drop --precision.")
-    dm = datamodule(args, 1)
-    dm.load()
-    for arm in dict.fromkeys(arm for arm, *_ in cells):
+    models = {}
+    for arm in dict.fromkeys(arm for arm, *_ in cells):  # a model mistake before the data's log line
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = build_model(args, arm, args.lrs[0])
+            models[arm] = build_model(args, arm, args.lrs[0])
+    dm = datamodule(args, 1)
+    dm.load()
+    for model in models.values():
         model.eval()
         with torch.no_grad():
             logits = model(dm.val_set[0][None, :-1].long())  # (1, T, 256)

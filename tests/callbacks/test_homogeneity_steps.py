@@ -63,7 +63,7 @@ def test_manual_optimization_resume(tmp_path, recording_logger: RecordingLogger,
 
 
 @pytest.mark.parametrize("module_cls,interval,warns", [
-    (TinyModule, 100, "has at most 4 logging steps"),  # known before the run
+    (TinyModule, 100, "the run has at most 4 steps (first logging step: 99)"),  # known before the run
     (TinyModule, 4, None),
     (ManualModule, 5, "ended after step 3"),  # max_steps=8 counts both optimizers: found at the end
     (ManualModule, 4, None),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Callable
 
@@ -40,16 +41,37 @@ def recipe_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFix
     return check
 
 
+def _terminal_lines(caplog: pytest.LogCaptureFixture) -> str:
+    """What the logging would have printed on a terminal's stderr: Lightning's INFO lines (``rank_zero_info``:
+    its handler holds a stream pytest replaced) and every library's warnings (transformers' among them)."""
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING
+               or (r.levelno >= logging.INFO and r.name.startswith("lightning"))]
+    return "".join(f"{r.getMessage()}\n" for r in records)
+
+
 @pytest.fixture
-def lm_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture,
+def lm_error(error_line: Callable[[int, str], str], capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture,
              monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], str]:
-    """:func:`recipe_error` for ``recipes/lm.py``: run it in-process on a mistake, return the error line."""
+    """:func:`recipe_error` for ``recipes/lm.py``: run it in-process on a mistake, return the error line; the
+    lines its loggers printed count too (a line of Lightning's before the error is a second line)."""
     from recipes.lm import run
 
     monkeypatch.setattr(sys, "argv", ["lm.py"])
 
     def check(args: list[str]) -> str:
+        caplog.set_level(logging.INFO, logger="lightning.pytorch")
+        caplog.clear()
         status = run(args)
-        return error_line(status, capfd.readouterr().err)
+        return error_line(status, _terminal_lines(caplog) + capfd.readouterr().err)
 
     return check
+
+
+@pytest.fixture
+def lm(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
+    """``recipes/lm.py`` run in-process as a user's command: ``lm(args) -> (exit status, output)``
+    (:class:`helpers.lm.LMRun`)."""
+    from helpers.lm import LMRun
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+    return LMRun(capfd, caplog)

@@ -14,18 +14,12 @@ import torch
 from torch import nn
 
 from helpers import ROOT
+from helpers.lm import OWN_NORMS, TINY, TINY_CONFIG
 from helpers.scripts import run_script
 from helpers.tensorboard import event_scalars, session_start
 from recipes.errors import UsageError
 
 SCRIPT = ROOT / "recipes" / "lm.py"
-TINY_CONFIG = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
-               "intermediate_size": 64}
-TINY = ["--model.config", json.dumps(TINY_CONFIG), "--data.seq_len", "32", "--data.batch_size", "4",
-        "--data.val_windows", "8", "--trainer.accelerator", "cpu", "--trainer.max_steps", "3",
-        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1", "--model.sample_bytes", "8",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-OWN_NORMS = ["--model.norm", "none"]
 
 
 def _events(run_dir: Path):
@@ -176,6 +170,26 @@ def test_command_line_end_to_end(tmp_path: Path) -> None:
     (["--data.dataset", "text", "--data.path", "/nonexistent/corpus"],
      "error: --data.path /nonexistent/corpus: no such file or directory"),
     (["--ckpt_path", "/nonexistent.ckpt"], "error: --ckpt_path '/nonexistent.ckpt': no such file"),
+    # inconsistent --model.config (issue 29, item 2): one line each, before any weight exists
+    (["--model.config", '{"vocab_size": 100}'],
+     "error: --model.config: vocab_size 100: the tokens are bytes, so the vocabulary is 256; drop vocab_size."),
+    (["--model.arch", "gpt2", "--model.config", '{"max_position_embeddings": 16}'],
+     "error: --model.config: gpt2's max_position_embeddings is 16, fewer than the 32 positions of a window "
+     "(--data.seq_len 32)"),
+    (["--model.config", '{"num_attention_heads": 3}'],
+     "error: --model.config {'num_attention_heads': 3}: transformers rejects this llama config: The hidden size (128) "
+     "is not a multiple of the number of attention heads (3)."),
+    (["--model.config", '{"head_dim": 15}'], "transformers rejects this llama config: RoPE requires an even rotary "
+                                             "dimension, but got `head_dim`=15"),
+    (["--model.config", '{"head_dim": 15}', "--model.qk_norm", "mrs"], "RoPE requires an even rotary dimension"),
+    (["--model.config", '{"num_key_value_heads": 3}'],
+     "error: --model.config: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (["--model.arch", "phi", "--model.qk_norm", "mrs", "--model.config",
+      '{"hidden_size": 30, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", '
+      '"rope_theta": 10000.0, "partial_rotary_factor": 0.4}}'],
+     "error: --model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the phi model's attention heads "
+     "are 15 wide (odd)"),
+    (["--monitors", "[outlier, outlier]"], "error: --monitors lists outlier more than once."),
 ])
 def test_mistakes_are_one_line(lm_error: Callable[[list[str]], str], args: list[str], expected: str) -> None:
     line = lm_error([*TINY, *OWN_NORMS, *args])
@@ -227,12 +241,6 @@ def _multi_process(tmp_path: Path, strategy: str) -> str:
     return out
 
 
-def test_fsdp2_on_two_cpu_processes(tmp_path: Path) -> None:
-    out = _multi_process(tmp_path, "fsdp2")
-    assert "FSDP2: fully_shard on 2 decoder layers (LlamaDecoderLayer) and the whole model, over 2 processes" in out
-    assert (tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_dir()  # a sharded checkpoint
-
-
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
     _multi_process(tmp_path, "ddp")
@@ -240,7 +248,6 @@ def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["mrs", "rms"])
 def test_qk_norm_on_llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    pytest.importorskip("lightning_mrs.swap.attention_hf", reason="QK-norms on transformers attention not merged")
     from lightning_mrs import MRSNorm
 
     cli, _ = _fit([*TINY, *OWN_NORMS, "--model.qk_norm", kind, "--trainer.default_root_dir", str(tmp_path)],
@@ -281,12 +288,12 @@ def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.
 
 def test_a_swap_that_converts_nothing_is_one_line(lm_error: Callable[[list[str]], str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import recipes.lm
+    import recipes.byte_lm
 
     def odd_model(*args, **kwargs) -> nn.Module:
         return nn.Sequential(nn.Embedding(256, 8), _OddNorm(), nn.Linear(8, 256))
 
-    monkeypatch.setattr(recipes.lm, "build_causal_lm", odd_model)
+    monkeypatch.setattr(recipes.byte_lm, "build_causal_lm", odd_model)
     line = lm_error([*TINY, "--model.norm", "rms"])  # the swap's own "converted none" warning is not printed
     assert line.startswith("error: --model.norm rms: swap_norms converted none of the llama model's norm layers "
                            "(_OddNorm x1; "), line

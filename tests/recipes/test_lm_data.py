@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from recipes.errors import UsageError
 from recipes.text_corpus import (STDLIB_EXCLUDED_DIRS, cut_single, load_split, read_bytes, split_by_file,
@@ -182,17 +184,32 @@ def test_bad_options(kwargs: dict, expected: str) -> None:
     assert str(err.value).startswith(expected), str(err.value)
 
 
-def test_training_windows_differ_by_rank_and_start_step() -> None:
+def test_training_windows_differ_by_rank_and_a_resumed_run_continues_the_stream() -> None:
     from types import SimpleNamespace
 
     dm = TextDataModule(seq_len=16, batch_size=4, val_windows=4, num_workers=0)
 
-    def first(rank: int, step: int) -> torch.Tensor:
-        dm.trainer = SimpleNamespace(global_rank=rank, global_step=step)
+    def batches(rank: int, step: int, accumulate: int = 1, n: int = 1) -> list[torch.Tensor]:
+        dm.trainer = SimpleNamespace(global_rank=rank, global_step=step, accumulate_grad_batches=accumulate)
         torch.manual_seed(0)
-        return next(iter(dm.train_dataloader()))
+        return list(itertools.islice(dm.train_dataloader(), n))
 
-    base = first(0, 0)
-    assert torch.equal(base, first(0, 0))
-    assert not torch.equal(base, first(1, 0))  # each DDP process its own windows
-    assert not torch.equal(base, first(0, 100))  # a resumed run does not replay the first windows
+    run = batches(0, 0, n=12)
+    assert torch.equal(run[0], batches(0, 0)[0])
+    assert not torch.equal(run[0], batches(1, 0)[0])  # each DDP process its own windows
+    # resumed after 5 steps: the windows the uninterrupted run took next, not the first ones again
+    assert all(torch.equal(a, b) for a, b in zip(batches(0, 5, n=7), run[5:]))
+    assert all(torch.equal(a, b) for a, b in zip(batches(0, 3, accumulate=2, n=6), run[6:]))  # 2 batches a step
+
+
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_random_windows_start_batch_continues_every_worker_stream(workers: int) -> None:
+    data = torch.arange(250, dtype=torch.int64).to(torch.uint8)
+
+    def starts(start: int, n: int) -> list[list[int]]:
+        loader = DataLoader(RandomWindows(data, 5, 7, 3, start), batch_size=3, num_workers=workers)
+        return [b[:, 0].tolist() for b in itertools.islice(loader, n)]
+
+    full = starts(0, 400)  # 1200 windows: past the first block of 1024 offsets of every stream
+    for start in (1, 5, 341, 399):
+        assert starts(start, 400 - start) == full[start:], start

@@ -1,0 +1,402 @@
+"""The language-model recipe's LightningModule: a transformers causal LM on bytes, its norms swapped at build.
+
+:class:`ByteLM` is what ``recipes/lm.py`` trains (its command line) and what the LM stress sweeps
+(:mod:`recipes.sweeps.lm_cell`) train cell by cell. The model is built in one place,
+:func:`build_byte_model`: the config (:mod:`recipes.causal_lm`, checked before any weight exists),
+the model, the norm swap and its check. Bytes are the tokens (vocabulary 256), so ``val/bpb``
+(bits per byte) is ``val/loss / ln 2``.
+
+Logged: ``train/loss`` (nats per byte), ``train/tokens_per_s`` (all processes), ``val/loss``,
+``val/bpb``, and (``learning_curve``, as the recipe's command line runs it) the learning curve
+``bpb/train`` and ``bpb/val`` (bits per byte of training and validation), which TensorBoard shows
+first, each with the unigram entropy of its split's bytes (the bits per byte of a model that
+ignores the context) as the run ``<run>/unigram`` on the same chart; at each validation a greedy
+continuation of ``prompt`` (``samples/greedy``, TensorBoard's Text tab).
+
+Example:
+    >>> lm = ByteLM(config={"num_hidden_layers": 2, "hidden_size": 32}, norm="none", seq_len=32)  # doctest: +SKIP
+    >>> lm(torch.zeros(2, 32, dtype=torch.long)).shape  # doctest: +SKIP
+    torch.Size([2, 32, 256])
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_mrs import MRSNorm, SwapOptions, SwapReport, swap_norms
+from recipes.causal_lm import build_causal_lm, decoder_layers, head_size
+from recipes.errors import UsageError
+from recipes.lm_checks import check_swap
+from recipes.optim import optimizer_options, param_groups, warmup_cosine
+from recipes.text_corpus import unigram_entropy
+from recipes.training import check_model_options
+
+__all__ = ["DEFAULT_PROMPT", "NORMS", "ByteLM", "FSDP2Strategy", "build_byte_model"]
+
+NORMS = ("mrs", "rms", "layer", "none")
+DEFAULT_PROMPT = "def __init__(self"
+#: the learning curve's tag group: first in TensorBoard's Time Series (before attention/, outlier/, phasor/)
+CURVE = "bpb"
+#: the run beside the model's (``<run>/unigram``) that draws the unigram baselines on the curve's charts
+UNIGRAM_RUN = "unigram"
+
+
+def build_byte_model(arch: str, config: Optional[dict[str, Any]], norm: str, qk_norm: str, mrs_backend: str,
+                     seq_len: int, attn_implementation: Optional[str] = None) -> tuple[nn.Module, Optional[SwapReport]]:
+    """The byte model and its swap report: ``arch``'s config with ``config`` (checked), the randomly
+    initialised model, its norms swapped to ``norm`` (``none``: kept) with a ``qk_norm`` QK-norm added,
+    and every MRSNorm on ``mrs_backend``.
+
+    Raises:
+        UsageError: a config :func:`recipes.causal_lm.build_config` refuses, an MRS QK-norm on heads of
+            odd width, or a swap that converts nothing (:func:`recipes.lm_checks.check_swap`).
+    """
+    model = build_causal_lm(arch, config, seq_len, attn_implementation)
+    hf_config = getattr(model, "config", None)
+    width = head_size(hf_config) if hf_config is not None else None
+    if qk_norm == "mrs" and width is not None and width % 2:
+        raise UsageError(f"--model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the {arch} "
+                         f"model's attention heads are {width} wide (odd); give an even head_dim (or hidden_size / "
+                         "num_attention_heads) in --model.config, or --model.qk_norm rms or layer.")
+    report = None
+    if norm != "none" or qk_norm != "none":
+        options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
+        with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
+            warnings.simplefilter("always")
+            report = swap_norms(model, options)
+        check_swap(model, arch, norm, qk_norm, report)
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    for module in model.modules():
+        if isinstance(module, MRSNorm):
+            module.backend = mrs_backend
+    return model, report
+
+
+class ByteLM(pl.LightningModule):
+    """A transformers causal LM on bytes whose norms are swapped to MRSNorm (or a baseline) at build.
+
+    The swap happens in ``__init__``, so ``ByteLM.load_from_checkpoint(path)`` rebuilds the same
+    architecture from the saved hyperparameters and loads the weights. A resumed fit takes the
+    learning rate, betas and weight decay of this run (the optimizer's saved state keeps the old
+    ones otherwise): what the command line says is what trains. ``learning_curve`` (an attribute,
+    off by default, on in ``recipes/lm.py``) adds the learning curve ``bpb/*`` and its unigram
+    baselines (the run ``<run>/unigram``); the sweeps' cells log without it.
+
+    Args:
+        arch: a transformers ``model_type`` with a causal-LM head (see :mod:`recipes.causal_lm`).
+        config: overrides of its config (e.g. ``{"hidden_size": 256, "num_hidden_layers": 8}``).
+        norm: ``mrs`` (MRSNorm), ``rms`` (RMSNorm), ``layer`` (LayerNorm) replace every body norm
+            (a swap that converts none is a usage error); ``none`` keeps the model's own norms.
+        qk_norm: ``none``: no QK-norm is added (one the model has, e.g. Qwen3's, follows
+            ``norm``); ``mrs``/``rms``/``layer``: a per-head norm of that kind on the queries
+            and keys of every attention layer, whatever ``norm`` does (as the image recipe).
+        mrs_backend: implementation of the MRSNorm layers: ``auto``, ``eager`` or one of
+            :data:`lightning_mrs.ops.BACKENDS` (same maths; a speed/debugging knob).
+        lr: peak learning rate (reached at the end of the warm-up); ``None``: 1e-3.
+        weight_decay: AdamW's decoupled weight decay on the weight matrices (not on norms,
+            biases and embeddings); ``None``: 0.1.
+        betas: AdamW's betas; ``None``: (0.9, 0.95), the usual language-model choice.
+        warmup_frac: fraction of all optimizer steps spent in linear warm-up from ~0 to ``lr``.
+        schedule: ``cosine`` (decay to 0 after the warm-up) or ``constant``; stepped per step.
+        seq_len: bytes per sample (the recipe links it to ``--data.seq_len``); sets the model's
+            ``max_position_embeddings`` unless ``config`` does.
+        attn_implementation: transformers' attention (``sdpa``, ``eager``); ``None``: its default.
+        prompt: the text whose greedy continuation is logged at each validation.
+        sample_bytes: bytes of that continuation (0: none).
+    """
+
+    def __init__(
+        self,
+        arch: str = "llama",
+        config: Optional[dict[str, Any]] = None,
+        norm: Literal["mrs", "rms", "layer", "none"] = "mrs",
+        qk_norm: Literal["none", "mrs", "rms", "layer"] = "none",
+        mrs_backend: str = "auto",
+        lr: Optional[float] = None,
+        weight_decay: Optional[float] = None,
+        betas: Optional[tuple[float, float]] = None,
+        warmup_frac: float = 0.05,
+        schedule: Literal["cosine", "constant"] = "cosine",
+        seq_len: int = 128,
+        attn_implementation: Optional[str] = None,
+        prompt: str = DEFAULT_PROMPT,
+        sample_bytes: int = 64,
+    ) -> None:
+        super().__init__()
+        check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
+                            mrs_backend=mrs_backend)
+        if sample_bytes < 0 or (sample_bytes and not prompt):
+            raise UsageError("--model.sample_bytes must be >= 0, with a non-empty --model.prompt.")
+        chosen = optimizer_options("adamw", lr=lr, weight_decay=weight_decay, betas=betas)
+        if weight_decay is None:
+            chosen["weight_decay"] = 0.1
+        if betas is None:
+            chosen["betas"] = (0.9, 0.95)
+        self.save_hyperparameters()
+        self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
+        self.model, self.swap_report = build_byte_model(arch, config, norm, qk_norm, mrs_backend, seq_len,
+                                                        attn_implementation)
+        self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder matmul put out
+        self.last_sample: Optional[str] = None
+        self._precision_said = False
+        self._last_batch_end: Optional[float] = None
+        self._fit_start = time.perf_counter()
+        self._start_step: Optional[int] = None  # the step this fit's training started at (None: it did not)
+        self._saved_val_bpb: Optional[tuple[int, float]] = None  # (step, val/bpb) of the resumed checkpoint
+        self._unigram: dict[str, float] = {}  # split -> bits per byte of its unigram model
+        self._unigram_writers: dict[str, Any] = {}  # TensorBoard log dir -> writer of <run>/unigram
+        self.learning_curve = False  # bpb/* and the <run>/unigram baselines; the command line turns it on
+        self._sharded = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits  # (N, T) -> (N, T, 256)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        window = batch.long()  # (N, T + 1) bytes
+        logits = self(window[:, :-1])  # (N, T, 256)
+        return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())  # nats per byte
+
+    # ------------------------------------------------------------------ fitting
+    @override
+    def configure_model(self) -> None:
+        mesh = self.device_mesh  # set by ModelParallelStrategy only
+        if mesh is None or self._sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
+            raise UsageError("ModelParallelStrategy: the LM recipe shards data-parallel only (FSDP2); give it "
+                             "tensor_parallel_size=1.")
+        dp = mesh["data_parallel"]
+        layers = decoder_layers(self.model)
+        kinds = ", ".join(sorted({type(layer).__name__ for layer in layers})) or "no decoder layer found"
+        for layer in layers:  # one all-gather per block, as transformers' own FSDP wrapping does
+            fully_shard(layer, mesh=dp)
+        fully_shard(self.model, mesh=dp)
+        self._sharded = True
+        rank_zero_info(f"FSDP2: fully_shard on {len(layers)} decoder layers ({kinds}) and the whole model, "
+                       f"over {dp.size()} processes")
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.swap_report is not None:
+            rank_zero_info(str(self.swap_report))
+        params = sum(p.numel() for p in self.model.parameters())
+        rank_zero_info(f"model: {self.hparams.arch} ({type(self.model).__name__}), {params / 1e6:.2f} M parameters")
+        self._fit_start = time.perf_counter()
+        self._start_step = None
+        dm = getattr(self.trainer, "datamodule", None)
+        for split in ("train", "val"):  # the bpb of a model that ignores the context
+            data = getattr(getattr(dm, f"{split}_split", None), "data", None)
+            if data is not None:
+                self._unigram[split] = unigram_entropy(data)
+        per_device = getattr(dm, "batch_size", None)
+        if per_device is not None:
+            world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
+            rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} bytes "
+                           f"= {per_device} per device x {world} processes x {accumulate} accumulation")
+        self._watch_activation_dtype()
+
+    def _watch_activation_dtype(self) -> None:
+        """Record the dtype of the first decoder layer's first matmul output (``nn.Linear``, GPT-2's ``Conv1D``)."""
+        layers = decoder_layers(self.model) or [self.model]
+        first = next((m for m in layers[0].modules()
+                      if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+                      and not isinstance(m, nn.Embedding)), None)
+        if first is None or self.activation_dtype is not None:
+            return
+
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                self.activation_dtype = output.dtype
+                handle.remove()
+
+        handle = first.register_forward_hook(record)
+
+    @override
+    def on_train_start(self) -> None:
+        self._start_step = self.trainer.global_step
+        if self.trainer.ckpt_path is not None:
+            self._apply_optimizer_options()
+        if self._start_step == 0:
+            self._log_unigram(0)
+
+    def _apply_optimizer_options(self) -> None:
+        """This run's lr, betas and weight decay on the optimizer and schedule restored from a checkpoint, at
+        the resumed step's point of the schedule (unchanged options: the same values, bit for bit)."""
+        hp = self.hparams
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group["betas"] = tuple(hp.betas)
+            group["weight_decay"] = hp.weight_decay if group.get("name") == "decay" else 0.0
+            group["initial_lr"] = hp.lr
+            group["lr"] = hp.lr * factor(scheduler.last_epoch)  # LambdaLR's own formula
+
+    @override
+    def on_fit_end(self) -> None:
+        trainer = self.trainer
+        start = trainer.global_step if self._start_step is None else self._start_step  # None: nothing to train
+        ran = trainer.global_step - start
+        metric = trainer.callback_metrics.get("val/bpb")
+        bpb = f"val/bpb {float(metric):.3f}" if metric is not None else "no validation"
+        if metric is None and self._saved_val_bpb is not None:
+            bpb = f"val/bpb {self._saved_val_bpb[1]:.3f} at step {self._saved_val_bpb[0]} (the checkpoint's)"
+        unigram = (f" (unigram entropy of the validation bytes {self._unigram['val']:.2f})"
+                   if "val" in self._unigram else "")
+        if ran == 0 and start > 0:
+            rank_zero_info(f"fit: nothing to train: the checkpoint is at step {start} and "
+                           f"--trainer.max_steps is {trainer.max_steps} (raise it to train on); {bpb}{unigram}")
+            return
+        span = f" ({start} -> {trainer.global_step})" if start else ""
+        rank_zero_info(f"fit: {ran} steps{span} in {time.perf_counter() - self._fit_start:.0f} s; {bpb}{unigram}")
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._last_batch_end is None:
+            self._last_batch_end = time.perf_counter()  # the first step's clock starts here
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        if self.learning_curve:
+            self.log(f"{CURVE}/train", loss.detach() / math.log(2))
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        now = time.perf_counter()
+        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+        self.log("train/tokens_per_s", tokens / max(now - self._last_batch_end, 1e-9), on_step=True, on_epoch=False)
+        self._last_batch_end = now
+        if not self._precision_said and self.activation_dtype is not None:  # the fit's first batch, whatever its step
+            self._precision_said = True
+            rank_zero_info(self.describe_precision())
+
+    def describe_precision(self) -> str:
+        """Which dtype the activations ran in, under which precision setting and loss scaler."""
+        plugin = self.trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        scaling = "no loss scaler" if scaler is None else f"loss scaler {type(scaler).__name__} on {scaler._device}"
+        ran = self.activation_dtype if self.activation_dtype is not None else "a dtype not observed"
+        return f"precision {self.trainer.precision}: activations ran in {ran} ({type(plugin).__name__}, {scaling})"
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        metric = self.trainer.callback_metrics.get("val/bpb")
+        if metric is not None:
+            checkpoint["lm_val_bpb"] = (self.trainer.global_step, float(metric))
+        elif self._saved_val_bpb is not None:
+            checkpoint["lm_val_bpb"] = self._saved_val_bpb
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("lm_val_bpb")
+        self._saved_val_bpb = (int(saved[0]), float(saved[1])) if saved is not None else None
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True, batch_size=batch.shape[0])
+        self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        if self.learning_curve:
+            self.log(f"{CURVE}/val", loss / math.log(2), sync_dist=True, batch_size=batch.shape[0])
+
+    @override
+    def on_validation_end(self) -> None:
+        self._last_batch_end = None  # the next step's clock starts with it, not with the validation
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self._log_unigram(self.global_step)
+        if not self.hparams.sample_bytes:
+            return
+        sample = self.continuation(self.hparams.prompt, self.hparams.sample_bytes)  # every rank: FSDP2 gathers
+        self.last_sample = sample
+        if self.trainer.is_global_zero:
+            text = "\n".join("    " + line for line in (self.hparams.prompt + sample).splitlines())  # markdown code
+            for logger in self.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_text("samples/greedy", text, self.global_step)
+
+    def _log_unigram(self, step: int) -> None:
+        """The unigram baselines at ``step`` as the curve's tags of the run ``<run>/unigram`` (TensorBoard)."""
+        if not (self.learning_curve and self._unigram) or self._trainer is None or not self.trainer.is_global_zero:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        for logger in self.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                path = os.path.join(logger.log_dir, UNIGRAM_RUN)
+                if path not in self._unigram_writers:
+                    self._unigram_writers[path] = SummaryWriter(path)
+                writer = self._unigram_writers[path]
+                for split, bpb in self._unigram.items():
+                    writer.add_scalar(f"{CURVE}/{split}", bpb, step)
+                writer.flush()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        for writer in self._unigram_writers.values():
+            writer.close()
+        self._unigram_writers.clear()
+
+    @torch.no_grad()
+    def continuation(self, prompt: str, length: int) -> str:
+        """The greedy continuation of ``prompt`` (``length`` bytes, decoded as UTF-8 with replacement)."""
+        ids = list(prompt.encode("utf-8"))
+        context = self.trainer.precision_plugin.forward_context() if self._trainer is not None else nullcontext()
+        was_training = self.training
+        self.eval()
+        with context:
+            for _ in range(length):
+                x = torch.tensor([ids[-self.hparams.seq_len:]], device=self.device)  # (1, T)
+                ids.append(int(self(x)[0, -1].argmax()))
+        self.train(was_training)
+        return bytes(ids[len(prompt.encode("utf-8")):]).decode("utf-8", errors="replace")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        embeddings = {f"{name}.{p}" if name else p for name, m in self.model.named_modules()
+                      if isinstance(m, nn.Embedding) for p, _ in m.named_parameters(recurse=False)}
+        optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, no_decay=embeddings), lr=hp.lr,
+                                      betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``--trainer.strategy fsdp2``: ModelParallelStrategy sharding over every process, no tensor parallelism.
+
+    ModelParallelStrategy's ``"auto"`` sizes make every device of a node tensor-parallel; the
+    recipe's :meth:`ByteLM.configure_model` shards data-parallel only (``fully_shard`` per decoder
+    layer, then the whole model), so its data-parallel group is all the processes.
+    """
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
