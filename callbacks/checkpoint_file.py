@@ -2,6 +2,9 @@
 
 ``NormSwap.restore`` reads its checkpoints with :func:`read_checkpoint`, and the recipes read
 ``--ckpt_path`` with it, so a missing, empty, truncated or foreign file reads the same everywhere.
+:func:`read_metadata` and :func:`load_weights` take ModelParallelStrategy's (FSDP2's) directory of
+shards as well as a file: the metadata from its ``meta.pt``, the weights consolidated into an
+unsharded model in one process (no process group).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["SHARD_METADATA", "read_checkpoint"]
+__all__ = ["SHARD_METADATA", "is_sharded", "load_weights", "read_checkpoint", "read_metadata"]
 
 #: what ModelParallelStrategy writes beside its shards (Lightning's ``_METADATA_FILENAME``)
 SHARD_METADATA = "meta.pt"
@@ -47,3 +50,26 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *,
         raise ValueError(f"{owner}: {os.fspath(path)} holds a {type(checkpoint).__name__}, not a Lightning "
                          "checkpoint (a dict with 'state_dict' and 'callbacks'): save it with trainer.save_checkpoint.")
     return checkpoint
+
+
+def is_sharded(path: Union[str, os.PathLike]) -> bool:
+    """``path`` is ModelParallelStrategy's directory of shards (it holds :data:`SHARD_METADATA`)."""
+    return os.path.isfile(os.path.join(path, SHARD_METADATA))
+
+
+def read_metadata(path: Union[str, os.PathLike], map_location: Any = "cpu", *, owner: str = "NormSwap.restore") -> dict[str, Any]:
+    """The checkpoint dict of a file, or the ``meta.pt`` of a directory of shards (no weights in it)."""
+    return read_checkpoint(os.path.join(path, SHARD_METADATA) if is_sharded(path) else path, map_location, owner=owner)
+
+
+def load_weights(model: torch.nn.Module, path: Union[str, os.PathLike], checkpoint: dict[str, Any], strict: bool = True) -> None:
+    """Load the weights of ``path`` (what :func:`read_metadata` gave as ``checkpoint``) into the
+    unsharded ``model``: a file's ``state_dict``, or a directory's shards gathered into its tensors."""
+    if is_sharded(path):
+        import torch.distributed.checkpoint as dcp
+
+        state = {"state_dict": model.state_dict()}
+        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=True)  # into these tensors, in one process
+        model.load_state_dict(state["state_dict"], strict=strict)
+    else:
+        model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -43,7 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 import lightning_mrs
-from lightning_mrs.callbacks.checkpoint_file import SHARD_METADATA, read_checkpoint
+from lightning_mrs.callbacks.checkpoint_file import load_weights, read_metadata
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
 from lightning_mrs.swap.options import check_bool, check_model
 from lightning_mrs.swap.spec import (
@@ -314,8 +313,7 @@ class NormSwap(Callback):
         """
         check_model("NormSwap.restore", model)
         check_bool("NormSwap.restore", "strict", strict)
-        sharded = (Path(checkpoint_path) / SHARD_METADATA).is_file()  # ModelParallelStrategy's directory of shards
-        checkpoint = read_checkpoint(Path(checkpoint_path) / SHARD_METADATA if sharded else checkpoint_path, map_location)
+        checkpoint = read_metadata(checkpoint_path, map_location)  # a file, or ModelParallelStrategy's shards' meta.pt
         spec = _find_spec(checkpoint)
         if spec is None:
             raise ValueError(
@@ -333,14 +331,7 @@ class NormSwap(Callback):
                 rebuild_v1(model, spec)
         except ValueError as err:
             raise ValueError(f"NormSwap.restore({checkpoint_path}): {err}") from None
-        if sharded:
-            import torch.distributed.checkpoint as dcp
-
-            state = {"state_dict": model.state_dict()}
-            dcp.load(state, checkpoint_id=Path(checkpoint_path), no_dist=True)  # into these tensors
-            model.load_state_dict(state["state_dict"], strict=strict)
-        else:
-            model.load_state_dict(checkpoint.get("state_dict", checkpoint), strict=strict)
+        load_weights(model, checkpoint_path, checkpoint, strict)
         return model
 
 

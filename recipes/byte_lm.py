@@ -1,10 +1,14 @@
-"""The language-model recipe's LightningModule: a transformers causal LM on bytes, its norms swapped at build.
+"""The language-model recipe's LightningModule: a transformers causal LM, its norms swapped at build.
 
 :class:`ByteLM` is what ``recipes/lm.py`` trains (its command line) and what the LM stress sweeps
 (:mod:`recipes.sweeps.lm_cell`) train cell by cell. The model is built in one place,
-:func:`build_byte_model`: the config (:mod:`recipes.causal_lm`, checked before any weight exists),
-the model, the norm swap and its check. Bytes are the tokens (vocabulary 256), so ``val/bpb``
-(bits per byte) is ``val/loss / ln 2``.
+:func:`build_byte_model`: from a config (:mod:`recipes.causal_lm`, checked before any weight
+exists; bytes are the tokens) or from a pretrained checkpoint (``pretrained``,
+:mod:`recipes.pretrained_lm`; its tokenizer's tokens), then the norm swap and its check.
+
+``val/loss`` is nats per *token*; ``val/bpb`` is bits per UTF-8 *byte*: the summed token losses of
+the validation windows divided by the bytes their targets cover, over ``ln 2``, so it compares
+models with different tokenizers (for bytes, the two differ by ``ln 2`` only).
 
 Logged: ``train/loss`` (nats per byte), ``train/tokens_per_s`` (all processes), ``val/loss``,
 ``val/bpb``, and (``learning_curve``, as the recipe's command line runs it) the learning curve
@@ -21,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import time
@@ -38,10 +43,12 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, SwapOptions, SwapReport, swap_norms
+from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, read_metadata
 from recipes.causal_lm import build_causal_lm, decoder_layers, head_size
 from recipes.errors import UsageError
 from recipes.lm_checks import check_swap
 from recipes.optim import optimizer_options, param_groups, warmup_cosine
+from recipes.pretrained_lm import load_pretrained
 from recipes.text_corpus import unigram_entropy
 from recipes.training import check_model_options
 
@@ -56,16 +63,22 @@ UNIGRAM_RUN = "unigram"
 
 
 def build_byte_model(arch: str, config: Optional[dict[str, Any]], norm: str, qk_norm: str, mrs_backend: str,
-                     seq_len: int, attn_implementation: Optional[str] = None) -> tuple[nn.Module, Optional[SwapReport]]:
-    """The byte model and its swap report: ``arch``'s config with ``config`` (checked), the randomly
-    initialised model, its norms swapped to ``norm`` (``none``: kept) with a ``qk_norm`` QK-norm added,
-    and every MRSNorm on ``mrs_backend``.
+                     seq_len: int, attn_implementation: Optional[str] = None,
+                     pretrained: Optional[str] = None) -> tuple[nn.Module, Optional[SwapReport]]:
+    """The model and its swap report: ``arch``'s config with ``config`` (checked) and random weights,
+    or the ``pretrained`` checkpoint; its norms swapped to ``norm`` (``none``: kept) with a ``qk_norm``
+    QK-norm added, and every MRSNorm on ``mrs_backend``.
 
     Raises:
-        UsageError: a config :func:`recipes.causal_lm.build_config` refuses, an MRS QK-norm on heads of
-            odd width, or a swap that converts nothing (:func:`recipes.lm_checks.check_swap`).
+        UsageError: a config :func:`recipes.causal_lm.build_config` refuses, a pretrained checkpoint
+            :func:`recipes.pretrained_lm.load_pretrained` cannot load, an MRS QK-norm on heads of odd
+            width, or a swap that converts nothing (:func:`recipes.lm_checks.check_swap`).
     """
-    model = build_causal_lm(arch, config, seq_len, attn_implementation)
+    if pretrained is not None:
+        model = load_pretrained(pretrained, seq_len, attn_implementation)
+        arch = model.config.model_type
+    else:
+        model = build_causal_lm(arch, config, seq_len, attn_implementation)
     hf_config = getattr(model, "config", None)
     width = head_size(hf_config) if hf_config is not None else None
     if qk_norm == "mrs" and width is not None and width % 2:
@@ -117,7 +130,11 @@ class ByteLM(pl.LightningModule):
             ``max_position_embeddings`` unless ``config`` does.
         attn_implementation: transformers' attention (``sdpa``, ``eager``); ``None``: its default.
         prompt: the text whose greedy continuation is logged at each validation.
-        sample_bytes: bytes of that continuation (0: none).
+        sample_bytes: bytes of that continuation (0: none; with a tokenizer: tokens).
+        pretrained: a pretrained checkpoint to fine-tune instead of a model built from ``arch``
+            and ``config`` (which it excludes): a ``save_pretrained`` directory, or a hub name
+            where the network allows (:mod:`recipes.pretrained_lm`); its tokenizer feeds the
+            data (the recipe links ``--data.tokenizer`` to it).
     """
 
     def __init__(
@@ -136,8 +153,15 @@ class ByteLM(pl.LightningModule):
         attn_implementation: Optional[str] = None,
         prompt: str = DEFAULT_PROMPT,
         sample_bytes: int = 64,
+        pretrained: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if pretrained is not None and config:
+            raise UsageError(f"--model.config {config} conflicts with --model.pretrained {pretrained!r}: the model's "
+                             "config is the checkpoint's; drop --model.config.")
+        if pretrained is not None and arch != "llama":
+            raise UsageError(f"--model.arch {arch} conflicts with --model.pretrained {pretrained!r}: the architecture is "
+                             "the checkpoint's; drop --model.arch.")
         check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
                             mrs_backend=mrs_backend)
         if sample_bytes < 0 or (sample_bytes and not prompt):
@@ -150,7 +174,8 @@ class ByteLM(pl.LightningModule):
         self.save_hyperparameters()
         self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
         self.model, self.swap_report = build_byte_model(arch, config, norm, qk_norm, mrs_backend, seq_len,
-                                                        attn_implementation)
+                                                        attn_implementation, pretrained)
+        self._val_sums: Optional[torch.Tensor] = None  # (summed target nats, target bytes) of this validation
         self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder matmul put out
         self.last_sample: Optional[str] = None
         self._precision_said = False
@@ -164,12 +189,21 @@ class ByteLM(pl.LightningModule):
         self._sharded = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits  # (N, T) -> (N, T, 256)
+        return self.model(input_ids=idx, use_cache=False).logits  # (N, T) -> (N, T, vocab)
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        window = batch.long()  # (N, T + 1) bytes
-        logits = self(window[:, :-1])  # (N, T, 256)
-        return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten())  # nats per byte
+    @staticmethod
+    def windows(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's windows ``(N, T + 1)`` and the UTF-8 bytes their targets cover ``(N,)`` (bytes: ``T`` each)."""
+        if isinstance(batch, (list, tuple)):
+            window, nbytes = batch
+            return window.long(), nbytes
+        window = batch.long()
+        return window, torch.full((window.shape[0],), window.shape[1] - 1, device=window.device)
+
+    def _nats(self, window: torch.Tensor) -> torch.Tensor:
+        """The summed next-token losses (nats) of ``window`` ``(N, T + 1)``."""
+        logits = self(window[:, :-1])  # (N, T, vocab)
+        return F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:].flatten(), reduction="sum")
 
     # ------------------------------------------------------------------ fitting
     @override
@@ -204,11 +238,16 @@ class ByteLM(pl.LightningModule):
         for split in ("train", "val"):  # the bpb of a model that ignores the context
             data = getattr(getattr(dm, f"{split}_split", None), "data", None)
             if data is not None:
-                self._unigram[split] = unigram_entropy(data)
+                self._unigram[split] = data.unigram_bpb() if hasattr(data, "unigram_bpb") else unigram_entropy(data)
+        tokenizer = getattr(dm, "tokenizer", None)
+        if tokenizer is not None:
+            rank_zero_info(f"tokens: {type(tokenizer).__name__} of {len(tokenizer)} ids; val/loss is nats per token, "
+                           "val/bpb bits per UTF-8 byte of the targets (comparable across tokenizers)")
         per_device = getattr(dm, "batch_size", None)
         if per_device is not None:
             world, accumulate = self.trainer.world_size, self.trainer.accumulate_grad_batches
-            rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} bytes "
+            unit = "tokens" if tokenizer is not None else "bytes"
+            rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} {unit} "
                            f"= {per_device} per device x {world} processes x {accumulate} accumulation")
         self._watch_activation_dtype()
 
@@ -258,7 +297,7 @@ class ByteLM(pl.LightningModule):
         bpb = f"val/bpb {float(metric):.3f}" if metric is not None else "no validation"
         if metric is None and self._saved_val_bpb is not None:
             bpb = f"val/bpb {self._saved_val_bpb[1]:.3f} at step {self._saved_val_bpb[0]} (the checkpoint's)"
-        unigram = (f" (unigram entropy of the validation bytes {self._unigram['val']:.2f})"
+        unigram = (f" (a unigram model of the validation text: {self._unigram['val']:.2f} bits per byte)"
                    if "val" in self._unigram else "")
         if ran == 0 and start > 0:
             rank_zero_info(f"fit: nothing to train: the checkpoint is at step {start} and "
@@ -272,17 +311,20 @@ class ByteLM(pl.LightningModule):
         if self._last_batch_end is None:
             self._last_batch_end = time.perf_counter()  # the first step's clock starts here
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        window, nbytes = self.windows(batch)
+        nats = self._nats(window)
+        loss = nats / window[:, 1:].numel()  # nats per token
         self.log("train/loss", loss, prog_bar=True)
         if self.learning_curve:
-            self.log(f"{CURVE}/train", loss.detach() / math.log(2))
+            self.log(f"{CURVE}/train", nats.detach() / nbytes.sum() / math.log(2))  # bits per byte
         return loss
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         now = time.perf_counter()
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+        window, _ = self.windows(batch)
+        tokens = (window.shape[1] - 1) * window.shape[0] * self.trainer.world_size
         self.log("train/tokens_per_s", tokens / max(now - self._last_batch_end, 1e-9), on_step=True, on_epoch=False)
         self._last_batch_end = now
         if not self._precision_said and self.activation_dtype is not None:  # the fit's first batch, whatever its step
@@ -298,6 +340,20 @@ class ByteLM(pl.LightningModule):
         return f"precision {self.trainer.precision}: activations ran in {ran} ({type(plugin).__name__}, {scaling})"
 
     # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Any = None,
+                             strict: Optional[bool] = None, **kwargs: Any) -> "ByteLM":
+        """Lightning's ``load_from_checkpoint``, which also takes FSDP2's directory of shards
+        (``--trainer.strategy fsdp2``): rebuilt from its ``meta.pt`` and the shards gathered in one process."""
+        if not is_sharded(checkpoint_path):
+            return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, **kwargs)
+        meta = read_metadata(checkpoint_path, owner="ByteLM.load_from_checkpoint")
+        accepted = inspect.signature(cls.__init__).parameters  # not LightningCLI's "_instantiator"
+        saved = {k: v for k, v in meta.get("hyper_parameters", {}).items() if k in accepted}
+        module = cls(**{**saved, **kwargs})
+        load_weights(module, checkpoint_path, meta, strict=True if strict is None else strict)
+        return module
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         metric = self.trainer.callback_metrics.get("val/bpb")
@@ -312,12 +368,24 @@ class ByteLM(pl.LightningModule):
         self._saved_val_bpb = (int(saved[0]), float(saved[1])) if saved is not None else None
 
     # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, sync_dist=True, batch_size=batch.shape[0])
-        self.log("val/bpb", loss / math.log(2), prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        window, nbytes = self.windows(batch)
+        nats = self._nats(window)
+        self.log("val/loss", nats / window[:, 1:].numel(), sync_dist=True, batch_size=window.shape[0])  # per token
+        wide = torch.float32 if window.device.type == "mps" else torch.float64  # MPS has no float64
+        sums = torch.stack([nats.detach().to(wide), nbytes.sum().to(wide)])
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+
+    def _log_val_bpb(self) -> None:
+        """val/bpb of the whole validation: summed nats over summed target bytes (all processes), over ln 2."""
+        sums, self._val_sums = self._val_sums, None
+        if sums is None:
+            return
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        bpb = (sums[0] / sums[1] / math.log(2)).float()
+        self.log("val/bpb", bpb, prog_bar=True)
         if self.learning_curve:
-            self.log(f"{CURVE}/val", loss / math.log(2), sync_dist=True, batch_size=batch.shape[0])
+            self.log(f"{CURVE}/val", bpb)
 
     @override
     def on_validation_end(self) -> None:
@@ -325,6 +393,7 @@ class ByteLM(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        self._log_val_bpb()
         if self.trainer.sanity_checking:
             return
         self._log_unigram(self.global_step)
@@ -362,8 +431,11 @@ class ByteLM(pl.LightningModule):
 
     @torch.no_grad()
     def continuation(self, prompt: str, length: int) -> str:
-        """The greedy continuation of ``prompt`` (``length`` bytes, decoded as UTF-8 with replacement)."""
-        ids = list(prompt.encode("utf-8"))
+        """The greedy continuation of ``prompt``: ``length`` bytes decoded as UTF-8 with replacement, or
+        ``length`` tokens of the data's tokenizer."""
+        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None) if self._trainer else None
+        ids = tokenizer.encode(prompt, add_special_tokens=False) if tokenizer is not None else list(prompt.encode("utf-8"))
+        start = len(ids)
         context = self.trainer.precision_plugin.forward_context() if self._trainer is not None else nullcontext()
         was_training = self.training
         self.eval()
@@ -372,7 +444,9 @@ class ByteLM(pl.LightningModule):
                 x = torch.tensor([ids[-self.hparams.seq_len:]], device=self.device)  # (1, T)
                 ids.append(int(self(x)[0, -1].argmax()))
         self.train(was_training)
-        return bytes(ids[len(prompt.encode("utf-8")):]).decode("utf-8", errors="replace")
+        if tokenizer is not None:
+            return tokenizer.decode(ids[start:])
+        return bytes(ids[start:]).decode("utf-8", errors="replace")
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

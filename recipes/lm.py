@@ -12,16 +12,22 @@ Run from the repository root (no subcommand: the script fits, validating every
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
     # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
     python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
+    # fine-tune a pretrained checkpoint (a save_pretrained directory) with its tokenizer, its norms swapped
+    python recipes/lm.py --model.pretrained my-llama/ --model.norm mrs --data.dataset text --data.path corpus/
     # the monitors: which run (--monitors) and their options (--outlier.*, --monitor.*, --attention.*)
     python recipes/lm.py --monitors '[outlier, homogeneity, attention]' --outlier.log_every_n_steps 50
     python recipes/lm.py --help
 
 The model (:mod:`recipes.byte_lm`, built by :mod:`recipes.causal_lm`) is any transformers causal
 LM (``--model.arch``: a ``model_type``) built from its config with small defaults and
-``--model.config`` overrides, nothing downloaded, its config checked before any weight exists.
-Bytes are the tokens (vocabulary 256), so ``val/bpb`` (bits per byte) is ``val/loss / ln 2``. The
-data (:mod:`recipes.text_data`): the interpreter's standard library (``stdlib``) or your text files
-(``text``), split by file, random windows for training and a fixed set for validation.
+``--model.config`` overrides, nothing downloaded, its config checked before any weight exists;
+bytes are the tokens (vocabulary 256). Or ``--model.pretrained``: a checkpoint and its tokenizer
+(:mod:`recipes.pretrained_lm`, the text tokenized once into cached memory-mapped files,
+:mod:`recipes.token_cache`). ``val/loss`` is nats per token, ``val/bpb`` bits per UTF-8 byte of the
+targets (``val/loss / ln 2`` for bytes), comparable across tokenizers. The data
+(:mod:`recipes.text_data`): the interpreter's standard library (``stdlib``) or your text files
+(``text``), split by file, random windows for training and a fixed set for validation. The end of
+fit exports the model as a Hugging Face directory (``--export``, :mod:`recipes.export_hf`).
 
 Defaults: AdamW (betas 0.9/0.95, lr 1e-3, decoupled weight decay 0.1 on weight matrices only:
 not on norms, biases and embeddings), linear warm-up then cosine decay stepped every step,
@@ -79,7 +85,9 @@ from recipes.causal_lm import require_transformers
 from recipes.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
 from recipes.errors import UsageError, report
 from recipes.hparams import FINAL, HParamsSummary, RunLogger
+from recipes.export_hf import ExportHF
 from recipes.interrupt import SaveOnInterrupt
+from recipes.pretrained_lm import check_vocab
 from recipes.text_data import TextDataModule
 from recipes.training import StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision
 
@@ -103,6 +111,7 @@ LM_SUMMARY: dict[str, tuple[str, str]] = {
 #: what each option is to a resumed run (``--ckpt_path``); a new option is one line here
 RESUME: dict[str, str] = {
     "--model.arch": DEFINES_MODEL,
+    "--model.pretrained": DEFINES_MODEL,
     "--model.config": DEFINES_MODEL,
     "--model.norm": DEFINES_MODEL,
     "--model.qk_norm": DEFINES_MODEL,
@@ -120,6 +129,7 @@ RESUME: dict[str, str] = {
     "--data.val_fraction": MAY_CHANGE,
     "--data.split_seed": MAY_CHANGE,
     "--data.val_windows": MAY_CHANGE,
+    "--data.cache_dir": MAY_CHANGE,
     "--trainer.max_steps": MAY_CHANGE,
     "--trainer.precision": MAY_CHANGE,
     "--trainer.accumulate_grad_batches": MAY_CHANGE,
@@ -177,6 +187,10 @@ class LMCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
         })
         parser.link_arguments("data.seq_len", "model.seq_len")
+        parser.link_arguments("model.pretrained", "data.tokenizer")  # a pretrained model reads its own tokens
+        parser.add_argument("--export", type=Optional[str], default="auto",
+                            help="where the fit's end writes the model as a Hugging Face directory that "
+                                 "lightning_mrs.from_pretrained loads: auto (<run>/hf), a path, or none")
         parser.add_argument("--monitors", type=list[Literal["outlier", "homogeneity", "attention"]],
                             default=list(DEFAULT_MONITORS),
                             help="the monitors that run: outlier (OutlierMonitor, options --outlier.*), homogeneity "
@@ -236,6 +250,9 @@ class LMCLI(LightningCLI):
         ckpt_path = self.config.get("ckpt_path")
         notice = check_resume(ckpt_path, self.model, RESUME, options) if ckpt_path else None
         self.datamodule.load()  # a missing path or too little text: one line, before the trainer talks
+        pretrained = self.model.hparams.get("pretrained")
+        if pretrained is not None:
+            check_vocab(self.datamodule.tokenizer, self.model.model, pretrained)
         if notice:
             rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
@@ -258,6 +275,9 @@ class LMCLI(LightningCLI):
         callbacks = given.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         callbacks.append(OptionsRecord(options))
+        export = self._get(self.config, "export", default="auto")
+        if export not in (None, "none"):
+            callbacks.append(ExportHF(None if export == "auto" else export))
         if given.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())  # "train: 86/400" steps, not "Epoch 0/-2"
         kwargs["callbacks"] = callbacks

@@ -32,7 +32,7 @@ import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -47,14 +47,16 @@ STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages",
 
 @dataclass(frozen=True)
 class Split:
-    """One side of the split: the files it draws from and their bytes (``data``: ``(L,)`` uint8)."""
+    """One side of the split: the files it draws from and their bytes (``data``: ``(L,)`` uint8), or
+    their tokens (a :class:`recipes.token_cache.TokenSplit`)."""
 
     files: tuple[str, ...]
-    data: torch.Tensor
+    data: Any
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.numel())
+        total = getattr(self.data, "total_bytes", None)
+        return int(total) if total is not None else int(self.data.numel())
 
 
 def stdlib_files() -> tuple[str, list[str]]:

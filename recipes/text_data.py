@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from recipes.errors import UsageError
 from recipes.text_corpus import Split, load_split, stdlib_files, text_files, unigram_entropy
+from recipes.token_cache import TokenSplit
 
 __all__ = ["TEXT_DATASETS", "FixedWindows", "RandomWindows", "TextDataModule"]
 
@@ -85,7 +86,7 @@ class RandomWindows(IterableDataset):
         offset = skip % self._BLOCK
         while True:
             for start in torch.randint(0, high, (self._BLOCK,), generator=g).tolist()[offset:]:
-                yield self.data[start:start + self.length]  # (length,)
+                yield _window(self.data, start, self.length)  # (length,), or with its target bytes
             offset = 0
 
 
@@ -101,9 +102,13 @@ class FixedWindows(Dataset):
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
-        start = self.starts[index]
-        return self.data[start:start + self.length]  # (length,)
+    def __getitem__(self, index: int) -> Any:
+        return _window(self.data, self.starts[index], self.length)  # (length,), or with its target bytes
+
+
+def _window(data: Union[torch.Tensor, TokenSplit], start: int, length: int) -> Any:
+    """Bytes ``start : start + length``; of a tokenized split, ``(tokens, bytes their targets cover)``."""
+    return data.window(start, length) if isinstance(data, TokenSplit) else data[start:start + length]
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -121,6 +126,13 @@ class TextDataModule(pl.LightningDataModule):
         val_windows: validation windows (evenly spaced over the validation bytes; fixed).
         num_workers: DataLoader worker processes per device; ``None``: 0 on the CPU (the model
             needs the cores), else 2 (windows are slices of a tensor in memory: cheap).
+        tokenizer: where the tokenizer comes from (the recipe links it to ``--model.pretrained``):
+            the text is tokenized with it once into memory-mapped token files cached beside the
+            data (:mod:`recipes.token_cache`) and a window is ``seq_len + 1`` tokens; ``None``
+            (or a byte model's directory without a tokenizer): bytes.
+        cache_dir: where the token files go; ``None``: a hidden ``.lightning_mrs_tokens`` folder
+            beside ``--data.path`` (for ``stdlib``, and where that is not writable:
+            ``$LIGHTNING_MRS_CACHE/tokens``, else ``~/.cache/lightning_mrs/tokens``).
 
     Raises:
         UsageError: a bad option; (when the data is loaded) a missing path, a folder without
@@ -137,6 +149,8 @@ class TextDataModule(pl.LightningDataModule):
         split_seed: int = 0,
         val_windows: int = 256,
         num_workers: Optional[int] = None,
+        tokenizer: Optional[str] = None,
+        cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
         if dataset not in TEXT_DATASETS:
@@ -157,6 +171,8 @@ class TextDataModule(pl.LightningDataModule):
         self.dataset, self.path, self.seq_len, self.batch_size = dataset, path, seq_len, batch_size
         self.val_fraction, self.split_seed, self.val_windows = val_fraction, split_seed, val_windows
         self.num_workers = num_workers
+        self.tokenizer_source, self.cache_dir = tokenizer, cache_dir
+        self.tokenizer: Optional[Any] = None  # the loaded tokenizer (None: bytes)
         self.root: Optional[str] = None
         self.train_split: Optional[Split] = None
         self.val_split: Optional[Split] = None
@@ -170,9 +186,16 @@ class TextDataModule(pl.LightningDataModule):
                   else f"text {self.root}")
         n = len(set(tr.files) | set(va.files))
         how = "one file cut in two" if n == 1 else f"split by file, seed {self.split_seed}"
-        return (f"data: {source}: {n} files, {(tr.nbytes + va.nbytes) / 1e6:.2f} MB; {how}: train "
+        if isinstance(va.data, TokenSplit):
+            unit = "tokens"
+            tokens = (f"; {len(tr.data) + len(va.data):,} tokens ({(tr.nbytes + va.nbytes) / max(len(tr.data) + len(va.data), 1):.2f} "
+                      f"bytes/token, {type(self.tokenizer).__name__} of {self.tokenizer_source})")
+            unigram = va.data.unigram_bpb()
+        else:
+            unit, tokens, unigram = "bytes", "", unigram_entropy(va.data)
+        return (f"data: {source}: {n} files, {(tr.nbytes + va.nbytes) / 1e6:.2f} MB{tokens}; {how}: train "
                 f"{len(tr.files)} files {tr.nbytes / 1e6:.2f} MB, val {len(va.files)} files {va.nbytes / 1e6:.3f} MB "
-                f"(unigram entropy {unigram_entropy(va.data):.2f} bits/byte); windows of {self.seq_len} + 1 bytes")
+                f"(unigram {unigram:.2f} bits/byte); windows of {self.seq_len} + 1 {unit}")
 
     def load(self) -> None:
         """Read and check the text and split it (once; the recipe calls it before the trainer is built)."""
@@ -182,8 +205,18 @@ class TextDataModule(pl.LightningDataModule):
             self.root, files = stdlib_files()
         else:
             self.root, files = os.path.abspath(self.path), text_files(self.path)
-        train, val = load_split(files, self.val_fraction, self.split_seed, check_text=self.dataset == "text")
+        self._load_tokenizer()
+        if self.tokenizer is not None:
+            train, val = self._tokenized(files)
+        else:
+            train, val = load_split(files, self.val_fraction, self.split_seed, check_text=self.dataset == "text")
         need = self.seq_len + 1
+        if isinstance(train.data, TokenSplit) and min(len(train.data), len(val.data)) < need:
+            raise UsageError(
+                f"--data.seq_len {self.seq_len} needs at least {need} tokens in each split, but "
+                f"{self.root if self.dataset == 'text' else 'the text'} ({len(files)} file{'s' * (len(files) > 1)}) "
+                f"gives training {len(train.data)} and validation {len(val.data)} tokens: add text, lower "
+                "--data.seq_len or change --data.val_fraction.")
         if min(train.nbytes, val.nbytes) < need:
             raise UsageError(
                 f"--data.seq_len {self.seq_len} needs at least {need} bytes in each split, but "
@@ -194,6 +227,40 @@ class TextDataModule(pl.LightningDataModule):
         self.train_split, self.val_split = train, val
         self.val_set = FixedWindows(val.data, need, self.val_windows)
         rank_zero_info(self.describe())
+
+    def _load_tokenizer(self) -> None:
+        if self.tokenizer_source is not None and self.tokenizer is None:
+            from recipes.pretrained_lm import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.tokenizer_source)
+
+    def _cache(self) -> str:
+        if self.cache_dir is not None:
+            return self.cache_dir
+        if self.dataset == "text":
+            root = self.root if os.path.isdir(self.root) else os.path.dirname(self.root)
+            if os.access(root, os.W_OK):
+                return os.path.join(root, ".lightning_mrs_tokens")  # hidden: text_files skips it
+        base = os.environ.get("LIGHTNING_MRS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_mrs")
+        return os.path.join(base, "tokens")
+
+    def _tokenized(self, files: list[str]) -> tuple[Split, Split]:
+        """The files split as :func:`recipes.text_corpus.load_split` does, tokenized (cached)."""
+        from recipes.text_corpus import split_by_file
+        from recipes.token_cache import tokenize_files
+
+        cache = self._cache()
+        try:
+            if len(files) == 1:
+                whole = tokenize_files(files, self.tokenizer, cache)
+                cut = int(round((1.0 - self.val_fraction) * len(whole)))
+                return (Split(tuple(files), TokenSplit(whole.tokens[:cut], whole.nbytes[:cut])),
+                        Split(tuple(files), TokenSplit(whole.tokens[cut:], whole.nbytes[cut:])))
+            train_files, val_files = split_by_file(files, self.val_fraction, self.split_seed)
+            return (Split(tuple(train_files), tokenize_files(train_files, self.tokenizer, cache, "tokenizing train")),
+                    Split(tuple(val_files), tokenize_files(val_files, self.tokenizer, cache, "tokenizing val")))
+        except ValueError as err:  # a file that is not UTF-8 text, a slow tokenizer
+            raise UsageError(f"--data: {err}") from None
 
     @override
     def setup(self, stage: str) -> None:

@@ -58,6 +58,10 @@ class TokenSplit:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def numel(self) -> int:
+        """The number of tokens (as a tensor's ``numel``: the recipe's windows read either)."""
+        return len(self)
+
     def __getitem__(self, index: slice) -> torch.Tensor:
         return torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
 
@@ -68,6 +72,17 @@ class TokenSplit:
     @property
     def total_bytes(self) -> int:
         return self.covered_bytes(0, len(self))
+
+    def unigram_bpb(self) -> float:
+        """Bits per byte of a model that predicts every token by its frequency here (ignoring the context)."""
+        counts = np.bincount(np.asarray(self.tokens, dtype=np.int64)).astype(np.float64)
+        counts = counts[counts > 0]
+        p = counts / counts.sum()
+        return float(-(counts * np.log2(p)).sum() / max(self.total_bytes, 1))
+
+    def window(self, start: int, length: int) -> tuple[torch.Tensor, int]:
+        """Tokens ``start : start + length`` and the bytes their targets (all but the first) cover."""
+        return self[start:start + length], self.covered_bytes(start + 1, start + length)
 
 
 def tokenizer_key(tokenizer: Any) -> str:

@@ -41,6 +41,23 @@ def test_fsdp2_in_float16_skips_an_overflow_on_every_shard(tmp_path: Path) -> No
     before, planted = ranks[0][0], ranks[0][1]
     assert planted == {"scale": before["scale"] / 2, "stepped": False}, ranks  # the Inf of rank 1's shard only
     assert ranks[0][2]["stepped"]
+    _export_the_shards(tmp_path)
+
+
+def _export_the_shards(tmp_path: Path) -> None:
+    """The directory of shards loads in one process (ByteLM.load_from_checkpoint) and exports (recipes/export_hf.py)."""
+    import torch
+
+    from lightning_mrs import from_pretrained
+    from recipes.byte_lm import ByteLM
+    from recipes.export_hf import run
+
+    shards = tmp_path / "run" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    module = ByteLM.load_from_checkpoint(shards)
+    assert run([str(shards), str(tmp_path / "hf")]) == 0
+    ids = torch.tensor([list(b"def f(x):")])
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(tmp_path / "hf").eval()(ids).logits, module.model.eval()(ids).logits)
 
 
 @pytest.mark.slow
