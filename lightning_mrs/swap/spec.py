@@ -45,6 +45,8 @@ def is_qk_name(name: str) -> bool:
 
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
+    if target in ("rms-half", "mrs-half"):
+        return spec.kind == target
     if target == "mrs":
         return spec.kind == "mrs"
     if target == "rms":
