@@ -34,53 +34,27 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_mrs.modules import _MRSNormBase
+
 __all__ = ["MRSNormHalf", "RMSNormHalf"]
 
 
-class _HalfNorm(nn.Module):
-    """Shared constructor and checks: ``num_channels`` first, ``eps``, ``affine``, ``device``, ``dtype``."""
-
-    def __init__(self, num_channels: int, weights: int, eps: float, affine: bool,
-                 device: Optional[torch.device | str], dtype: Optional[torch.dtype]) -> None:
-        super().__init__()
-        name = type(self).__name__
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-            raise ValueError(f"{name}: num_channels must be a positive int, got {num_channels!r}.")
-        if not eps > 0:
-            raise ValueError(f"{name}: eps must be > 0 (it keeps zeros finite), got {eps}.")
-        self.num_channels = num_channels
-        self.eps = eps
-        self.affine = affine
-        if affine:
-            self.weight = nn.Parameter(torch.empty(weights, device=device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
-
-    def _check(self, x: Tensor) -> None:
-        if x.ndim == 0 or x.shape[-1] != self.num_channels:
-            raise ValueError(
-                f"{type(self).__name__}({self.num_channels}): expected the last dim to hold {self.num_channels} "
-                f"channels, got input of shape {tuple(x.shape)}. This layer is channels-last."
-            )
-        if not x.is_floating_point():
-            raise TypeError(f"{type(self).__name__}({self.num_channels}): expected a floating-point input, got "
-                            f"{x.dtype}.")
+def _check(layer: nn.Module, x: Tensor) -> None:
+    """A channels-last floating input with the layer's channel count, or a ``ValueError``/``TypeError`` naming it."""
+    name, c = type(layer).__name__, layer.num_channels
+    if x.ndim == 0 or x.shape[-1] != c:
+        raise ValueError(f"{name}({c}): expected the last dim to hold {c} channels, got input of shape "
+                         f"{tuple(x.shape)}. This layer is channels-last.")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}({c}): expected a floating-point input, got {x.dtype}.")
 
 
-class RMSNormHalf(_HalfNorm):
+class RMSNormHalf(nn.RMSNorm):
     """RMSNorm over the last dim with ``x^2``, their mean and the scale in the input's dtype.
 
-    ``y = w * x * rsqrt(mean_c(x_c^2) + eps)``: ``nn.RMSNorm(C)``'s formula and weight, without its
-    upcast. An experimental baseline (module docstring): in float16 a token with a channel past
-    ``|x| = 256`` comes out as zeros.
+    ``y = w * x * rsqrt(mean_c(x_c^2) + eps)``: an ``nn.RMSNorm(C)`` (same weight, same state dict)
+    without its upcast. An experimental baseline (module docstring): in float16 a token with a channel
+    past ``|x| = 256`` comes out as zeros.
 
     Example:
         >>> RMSNormHalf(6)(torch.randn(2, 5, 6)).shape
@@ -89,38 +63,38 @@ class RMSNormHalf(_HalfNorm):
 
     def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True,
                  device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(num_channels, num_channels, eps, affine, device, dtype)
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
+            raise ValueError(f"RMSNormHalf: num_channels must be a positive int, got {num_channels!r}.")
+        if not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"RMSNormHalf: eps must be > 0 (it keeps zeros finite), got {eps}.")
+        super().__init__(num_channels, eps, elementwise_affine=affine, device=device, dtype=dtype)
+        self.num_channels = num_channels
+        self.affine = affine
 
     def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
+        _check(self, x)
         y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps)  # (..., C), all in x.dtype
         return y if self.weight is None else y * self.weight.to(x.dtype)
 
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
 
-class MRSNormHalf(_HalfNorm):
+
+class MRSNormHalf(_MRSNormBase):
     """MRSNorm over the last dim computed in the input's dtype, magnitudes by ``hypot`` (no overflow).
 
     ``r_i = sqrt(x[2i]^2 + x[2i+1]^2 + eps)``, ``S = mean_i r_i``, ``y[2i:2i+2] = w_i x[2i:2i+2] / S``
-    (``docs/method.md``), one weight per phasor as :class:`~lightning_mrs.MRSNorm`. An experimental
-    baseline (module docstring): in float16 it breaks only where a phasor's magnitude passes 65504.
+    (``docs/method.md``), with :class:`~lightning_mrs.MRSNorm`'s constructor and one weight per phasor.
+    An experimental baseline (module docstring): in float16 it breaks only where a phasor's magnitude
+    passes 65504.
 
     Example:
         >>> MRSNormHalf(6)(torch.randn(2, 5, 6)).shape
         torch.Size([2, 5, 6])
     """
 
-    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True,
-                 device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> None:
-        if isinstance(num_channels, int) and not isinstance(num_channels, bool) and num_channels % 2:
-            raise ValueError(
-                f"MRSNormHalf({num_channels}): MRSNorm pairs adjacent channels into 2-D phasors, so num_channels "
-                f"must be even. Use an even width (e.g. {num_channels + 1}), or keep an RMSNorm for this layer."
-            )
-        super().__init__(num_channels, num_channels // 2, eps, affine, device, dtype)
-        self.num_phasors = num_channels // 2
-
     def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
+        _check(self, x)
         pairs = x.unflatten(-1, (-1, 2))  # (..., P, 2)
         floor = torch.full((), math.sqrt(self.eps), dtype=x.dtype, device=x.device)
         # sqrt(a^2 + b^2 + eps) as hypot(a, hypot(b, sqrt(eps))): no square is formed, the inner
