@@ -2,10 +2,10 @@
 
 The premise of ``docs/method.md``: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the
 denominator quadratically (and overflows it when the squares are formed in float16), where
-MRSNorm's mean of pair magnitudes takes it in linearly. This monitor measures that premise on the tensors that really enter the norms
-during training: on logging steps only, a forward pre-hook on every norm layer
-(:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which) reduces its
-input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
+MRSNorm's mean of pair magnitudes takes it in linearly. This monitor measures that premise on the
+tensors that really enter the norms during training: on logging steps only, a forward pre-hook
+on every norm layer (:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which)
+reduces its input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
 
 How a logging step works (the steps are Lightning's own,
 :mod:`lightning_mrs.callbacks.logging_steps`: the figures appear where ``self.log``'s do):

@@ -140,8 +140,8 @@ class SwapOptions:
             raise ValueError(f"SwapOptions: qk_norm={qk!r} is not valid; choose one of {list(QK_NORMS)}.")
         if qk is True and self.target not in _QK_KINDS:
             raise ValueError(
-                f"SwapOptions: qk_norm=True asks for QK-norms of the target's kind, but target={self.target!r}; name the "
-                f"kind instead, e.g. qk_norm='mrs' (one of {list(_QK_KINDS)})."
+                f"SwapOptions: qk_norm=True asks for QK-norms of the target's kind, but target={self.target!r}; "
+                f"name the kind instead, e.g. qk_norm='mrs' (one of {list(_QK_KINDS)})."
             )
         if not any(self.spatial is s for s in _SPATIAL) and self.spatial != "auto":
             raise ValueError(f"SwapOptions: spatial={self.spatial!r} is not valid; choose one of {list(_SPATIAL)}.")

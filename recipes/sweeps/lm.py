@@ -173,8 +173,9 @@ def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"sweep": args.sweep.name, "seq_len": d["seq_len"], "val_windows": d["val_windows"],
             "validation": f"{VALIDATIONS} times per cell (every max_steps/4 steps) unless --val-every",
             "gradient_clip_val": 1.0, "precision": args.precision or "per arm (bf16-mixed, 16-mixed with a loss "
-            "scaler, 16-true, 32-true)", "monitors": f"outlier, homogeneity, attention ({ATTENTION_QUERIES} queries) every "
-            f"{args.log_every} steps"} | ({} if args.sweep.name != "lm" else {
+            "scaler, 16-true, 32-true)",
+            "monitors": f"outlier, homogeneity, attention ({ATTENTION_QUERIES} queries) every {args.log_every} "
+                        "steps"} | ({} if args.sweep.name != "lm" else {
                 "mechanism": f"the fp32 models at lr {MECHANISM_LR:g} evaluated in pure float16, channel {CHANNEL} "
                              f"planted at 0, 2^4 .. 2^15 before every norm (recipes/sweeps/mechanism.py)"})
 
@@ -209,7 +210,8 @@ LM_COMMON: dict[str, Any] = dict(
 
 LM = Sweep(
     name="lm", arm_column="arm", flag="--lm-arms", arms=LM_ARMS,
-    arms_help=f"--sweep lm: norm-precision arms (fp32 runs at the smallest and largest lr and at {MECHANISM_LR:g} only)",
+    arms_help=f"--sweep lm: norm-precision arms (fp32 runs at the smallest and largest lr and at {MECHANISM_LR:g} "
+              "only)",
     # 10 seeds: with 3, a comparison's verdict moved on a rerun on another CPU (issue 30); the report checks it
     grid={"arms": DEFAULT_ARMS, "lrs": [0.001, 0.01, 0.1, 1.0], "batch_sizes": [16], "seeds": list(range(10))},
     quick={"lrs": [0.01, 1.0], "seeds": [0], "max_steps": {"stdlib": 40, "text": 40}},

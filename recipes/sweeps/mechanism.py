@@ -132,8 +132,8 @@ def claims(rows: list[dict[str, Any]]) -> list[Claim]:
                             ("rms-half", _per_seed(rows, bs, _extreme("rms-half", max, low), ("rms-half",))),
                             "below", CLEAN_SHARE, ""))
         for arm in ("mrs-half", "rms", "mrs"):
-            clean.append(single(f"{at}{arm}, largest share over every m",
-                                (arm, _per_seed(rows, bs, _extreme(arm, max, every), (arm,))), "below", CLEAN_SHARE, ""))
+            values = _per_seed(rows, bs, _extreme(arm, max, every), (arm,))
+            clean.append(single(f"{at}{arm}, largest share over every m", (arm, values), "below", CLEAN_SHARE, ""))
         cost.append(single(f"{at}rms-half - rms, smallest over m >= {SQUARE_LIMIT:g}",
                            ("rms-half - rms", _per_seed(rows, bs, _cost("rms-half", "rms", min, high),
                                                         ("rms-half", "rms"))), "above", 0.0, ""))
@@ -189,8 +189,8 @@ def figure(rows: list[dict[str, Any]], path: Path) -> Any:
     bpb.set_ylabel(f"val bits per byte in pure float16 (NaN = {DIVERGED_BPB:g})")
     handles, labels = bad.get_legend_handles_labels()
     fig.save(plt, figure_, handles, labels, f"Mechanism stress: fp32 models (lr {MECHANISM_LR:g}) evaluated in pure "
-             f"float16, one channel planted; mean over {len(seeds)} seed(s), band = min-max; dashed: the norms computed "
-             "in float16", path, diverged=False)
+             f"float16, one channel planted; mean over {len(seeds)} seed(s), band = min-max; dashed: the norms "
+             "computed in float16", path, diverged=False)
     return bad, bpb
 
 

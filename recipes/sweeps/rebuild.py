@@ -65,7 +65,7 @@ def old_setup(report: str) -> tuple[dict[str, Any], list[str], list[str]]:
 
 
 def rebuild(kind_name: str, csv_path: Path, report_path: Path, out: Path) -> Path:
-    """Write ``out/results.csv`` (current columns), ``results.md``, ``robustness.csv`` and the figures; return ``out``."""
+    """Write ``out/results.csv`` (current columns), ``results.md``, ``robustness.csv``, the figures; return ``out``."""
     from recipes.sweeps.registry import SWEEPS
 
     kind = SWEEPS[kind_name]

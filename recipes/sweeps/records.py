@@ -33,7 +33,7 @@ ARM_ORDER = ("none", "layer", "rms", "mrs", "batch")
 #: the columns every sweep has, after its arm column and before its own metric columns
 HEAD_COLUMNS = ("lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps", "best_top1",
                 "final_top1", "final_val_loss", "final_train_loss", "diverged", "divergence_step")
-#: the columns every sweep has after its metric columns: cost, machine (empty in records written before it was kept), run
+#: the columns every sweep has after its metric columns: cost, machine (empty in records older than it), run
 TAIL_COLUMNS = ("wall_s", "cpu_s", "device", "cpu_model", "cpu_isa", "threads", "tb_run")
 _TEXT = ("arch", "dataset", "tb_run", "device", "cpu_model", "cpu_isa")
 # records written before num_classes was recorded
@@ -141,7 +141,8 @@ def csv_text(rows: Iterable[Row], arm_column: str, metric_columns: Sequence[str]
     return csv_table(header, ([r.value(c, arm_column) for c in header] for r in rows))
 
 
-def read_csv(path: Path, arm_column: str, metric_columns: Sequence[str], factor_columns: Sequence[str] = ()) -> list[Row]:
+def read_csv(path: Path, arm_column: str, metric_columns: Sequence[str],
+             factor_columns: Sequence[str] = ()) -> list[Row]:
     """The rows of a ``results.csv``, typed."""
     with open(path, newline="") as f:
         return [Row.parse(row, arm_column, metric_columns, factor_columns) for row in csv.DictReader(f)]

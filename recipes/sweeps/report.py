@@ -81,7 +81,7 @@ def _data(out: Path, kind: Sweep) -> list[str]:
 
 
 def machine_lines(rows: list[Row]) -> list[str]:
-    """The Setup line that says what the cells ran on: device, CPU model, vector ISA, threads (and how many cells each)."""
+    """The Setup line that says what the cells ran on: device, CPU model, vector ISA, threads (cells of each)."""
     groups = Counter((r.device, r.cpu_model, r.cpu_isa, r.threads) for r in rows)
     parts = []
     for (device, model, isa, threads), n in sorted(groups.items(), key=lambda kv: (-kv[1], str(kv[0]))):

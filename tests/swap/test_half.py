@@ -125,7 +125,8 @@ def test_drop_in_signature_and_errors() -> None:
     norm = MRSNormHalf(8, eps=1e-5, affine=True, dtype=torch.float16)
     assert norm.weight.shape == (4,) and norm.weight.dtype == torch.float16 and norm.num_phasors == 4
     assert repr(norm) == "MRSNormHalf(8, eps=1e-05, affine=True)"
-    assert RMSNormHalf(8, affine=False).weight is None and repr(RMSNormHalf(8)) == "RMSNormHalf(8, eps=1e-06, affine=True)"
+    assert RMSNormHalf(8, affine=False).weight is None
+    assert repr(RMSNormHalf(8)) == "RMSNormHalf(8, eps=1e-06, affine=True)"
     with torch.no_grad():
         norm.weight.fill_(3.0)
     norm.reset_parameters()

@@ -97,7 +97,8 @@ def test_claim_m_supported_as_the_maths_says() -> None:
     # nothing breaks: rms-half is not broken at 256
     (lambda a, m, s: (0.0, 4.0 + 0.01 * s), "contradicted"),
     # mrs-half costs 0.05 bpb more than mrs, above the margin, on one seed only: inconclusive
-    (lambda a, m, s: _paper(a, m, s) if a != "mrs-half" else (0.0, 4.0 + 0.01 * s + (0.1, 0.0, 0.0)[s]), "inconclusive"),
+    (lambda a, m, s: _paper(a, m, s) if a != "mrs-half" else (0.0, 4.0 + 0.01 * s + (0.1, 0.0, 0.0)[s]),
+     "inconclusive"),
 ])
 def test_claim_m_contradicted_and_inconclusive(fn: Fn, verdict: str) -> None:
     assert _m(_table(fn)).verdict == verdict
