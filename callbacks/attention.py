@@ -77,7 +77,7 @@ def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
 
 
 class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
-    """Log the logits and softmax of every attention layer as ``attention/<layer>/<stat>``.
+    """Log the logits and softmax of every attention layer as ``z-layers/attention/<layer>/<stat>``.
 
     Per layer, from the per-head queries and keys that enter the logits (the outputs of the
     layer's ``q_norm``/``k_norm``: after the QK-norm where there is one) and, for each sampled

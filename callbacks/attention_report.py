@@ -8,7 +8,7 @@ Once a layer's hooks have seen both its q and k, the pair is reduced at once to
 :class:`~lightning_mrs.attention_stats.AttentionSums` (nothing is kept beyond the call);
 calls, micro-batches and, through :meth:`AttentionCapture.reduced`, ranks add up.
 :func:`step_metrics` computes the figures on the device, copies them to the host once and
-names them ``attention/<layer>/<stat>`` and ``attention/all/<stat>``.
+names them ``z-layers/attention/<layer>/<stat>`` and ``attention/all/<stat>``.
 
 Example:
     >>> import torch
@@ -141,7 +141,7 @@ class AttentionCapture:
 
 
 def step_metrics(layers: Sequence[WatchedLayer], sums: Mapping[str, AttentionSums]) -> dict[str, float]:
-    """``attention/<layer>/<stat>`` and ``attention/all/<stat>`` of one logging step.
+    """``z-layers/attention/<layer>/<stat>`` and ``attention/all/<stat>`` of one logging step.
 
     Figures are computed on the sums' device and copied to the host once. A layer that
     captured no query on this step is left out; ``q_norm_mean``/``k_norm_mean`` are given

@@ -66,7 +66,7 @@ def _skip_reason(spec: NormSpec) -> Optional[str]:
 
 
 class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
-    """Log per-phasor gradient homogeneity of every norm layer as ``phasor/<layer>/<stat>``.
+    """Log per-phasor gradient homogeneity of every norm layer as ``z-layers/phasor/<layer>/<stat>``.
 
     Per layer (see :func:`lightning_mrs.stats.layer_stats` for exact definitions, ``G_i`` is
     the RMS over batch and positions of phasor ``i``'s input-gradient norm): ``grad_mean``,

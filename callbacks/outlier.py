@@ -1,11 +1,11 @@
 """``OutlierMonitor``: activation outliers at the input of every norm layer, live.
 
-PAPER.md's premise: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the denominator
-quadratically (and overflows it in float16), where MRSNorm's mean of pair magnitudes takes it
-in linearly. This monitor measures that premise on the tensors that really enter the norms
-during training: on logging steps only, a forward pre-hook on every norm layer
-(:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which) reduces its
-input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
+The premise of ``docs/method.md``: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the
+denominator quadratically (and overflows it when the squares are formed in float16), where
+MRSNorm's mean of pair magnitudes takes it in linearly. This monitor measures that premise on the
+tensors that really enter the norms during training: on logging steps only, a forward pre-hook
+on every norm layer (:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which)
+reduces its input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
 
 How a logging step works (the steps are Lightning's own,
 :mod:`lightning_mrs.callbacks.logging_steps`: the figures appear where ``self.log``'s do):
@@ -30,7 +30,7 @@ logging, warnings, state) is
 from __future__ import annotations
 
 import dataclasses
-
+import warnings
 from functools import partial
 from typing import Optional, Sequence
 
@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
 from lightning_mrs.callbacks.outlier_report import OUTLIER, OutlierCapture, WatchedNorm, find_norm_inputs, step_metrics
-from lightning_mrs.outlier_stats import FIGURE_NAMES
+from lightning_mrs.outlier_stats import FIGURE_NAMES, RENAMED
 
 __all__ = ["OutlierMonitor"]
 
@@ -58,7 +58,9 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
       phasor's share of MRSNorm's, for the worst token (even ``C`` only);
     * ``outlier_ratio``: ``max_c |x_c| / median_c |x_c|`` for the worst token (Sun et al.'s
       "massive activations" are ~1000);
-    * ``fp16_overflow_frac``: the share of inputs whose square overflows float16 (``|x| >= 256``);
+    * ``x2_over_fp16_frac``: the share of inputs whose square would overflow float16 if formed
+      there (``|x| >= 256``; shipped norms square in float32, so nothing overflowed in them);
+      ``fp16_overflow_frac`` in 0.2.0 and before, still accepted in ``figures`` (with a warning);
     * ``kurtosis``: the channels' kurtosis (3 for Gaussian ones), mean over tokens;
     * ``nonfinite``: NaN/Inf inputs (left out of the other figures).
 
@@ -96,6 +98,11 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
         if isinstance(figures, str) or not all(isinstance(f, str) for f in figures):
             raise ValueError(f"OutlierMonitor: figures must be a list of figure names (any of {list(FIGURE_NAMES)}), "
                              f"got {figures!r}.")
+        renamed = [f for f in figures if f in RENAMED]
+        if renamed:  # a config written for 0.2.0: the same figure under its new name
+            warnings.warn(f"OutlierMonitor: figure(s) {renamed} are now called {[RENAMED[f] for f in renamed]} (the "
+                          "same value, logged under the new tag); use the new name.", FutureWarning, stacklevel=2)
+            figures = [RENAMED.get(f, f) for f in figures]
         unknown = [f for f in figures if f not in FIGURE_NAMES]
         if unknown or not figures:
             raise ValueError(f"OutlierMonitor: figures={list(figures)!r}: {unknown or 'none'} not valid; choose one or "

@@ -155,8 +155,8 @@ OUTLIER = Dashboard(
             ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
             ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
             ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
-            ("fp16_overflow_frac: share of inputs whose square overflows float16 (|x| >= 256)",
-             ("fp16_overflow_frac",)),
+            ("x2_over_fp16_frac: share of inputs whose square would overflow float16 (|x| >= 256); "
+             "fp16_overflow_frac in 0.2.0 and before", ("x2_over_fp16_frac", "fp16_overflow_frac")),
             ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
             ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
         )),

@@ -1,9 +1,9 @@
 """Activation-outlier statistics of a norm layer's input: the maths behind ``OutlierMonitor``.
 
-Needs only torch. PAPER.md's premise is that one large channel dominates RMSNorm's
-denominator ``sum_c x_c^2`` quadratically (and overflows it in float16 past ``|x| = 256``),
-where MRSNorm's mean of pair magnitudes takes it in linearly. These figures measure that on
-the tensor that enters a norm layer.
+Needs only torch. The premise of ``docs/method.md`` is that one large channel dominates
+RMSNorm's denominator ``sum_c x_c^2`` quadratically (and overflows it past ``|x| = 256`` when
+the squares are formed in float16), where MRSNorm's mean of pair magnitudes takes it in
+linearly. These figures measure that on the tensor that enters a norm layer.
 
 A *token* is one vector of ``C`` channels: the last dim of a channels-last input
 ``(..., C)``, dim 1 of a channels-first one ``(N, C, *spatial)`` (one token per sample and
@@ -27,9 +27,12 @@ under a split of the batch:
   al.'s sit on the first token and delimiters), which a mean would wash out;
 * ``kurtosis``: the **mean over tokens**: how heavy-tailed a typical token's channels are
   (the worst token is what ``outlier_ratio`` shows);
-* ``fp16_overflow_frac``: inputs (entries) whose square overflows float16, i.e. rounds past
-  65504: ``|x| >= sqrt(65520) ~ 255.97`` (for float16 inputs exactly ``|x| >= 256``), ``±Inf``
-  included, over all entries;
+* ``x2_over_fp16_frac``: inputs (entries) whose square *would* overflow float16 if it were
+  formed in float16, i.e. round past 65504: ``|x| >= sqrt(65520) ~ 255.97`` (for float16 inputs
+  exactly ``|x| >= 256``), ``±Inf`` included, over all entries. It says how much of the input a
+  norm that squares in half precision could not square; torch's and transformers' RMSNorms and
+  MRSNorm square in float32, so in their runs nothing it counts overflowed. (Called
+  ``fp16_overflow_frac`` in lightning-mrs 0.2.0 and before: same value, :data:`RENAMED`.)
 * ``nonfinite``: the count of NaN/Inf entries; they are set to 0 for every other figure.
 
 Numerics: computed in float32 (float64 inputs in float64) whatever the input dtype or
@@ -65,6 +68,7 @@ __all__ = [
     "FIGURE_NAMES",
     "FP16_SQUARE_OVERFLOW",
     "OutlierSums",
+    "RENAMED",
     "aggregate_figures",
     "defined",
     "outlier_figures",
@@ -73,8 +77,11 @@ __all__ = [
 
 #: The figures :func:`outlier_figures` gives (some may be left out, see the module docstring).
 FIGURE_NAMES: tuple[str, ...] = (
-    "absmax", "rms_share", "mrs_share", "outlier_ratio", "fp16_overflow_frac", "kurtosis", "nonfinite",
+    "absmax", "rms_share", "mrs_share", "outlier_ratio", "x2_over_fp16_frac", "kurtosis", "nonfinite",
 )
+#: old figure name -> its name now (the value is the same): OutlierMonitor(figures=...) takes the old one
+#: with a warning, and the TensorBoard layout charts both tags, so runs logged before the rename line up.
+RENAMED: dict[str, str] = {"fp16_overflow_frac": "x2_over_fp16_frac"}
 #: ``|x|`` from which ``x * x`` rounds to Inf in float16 (65504 is its largest finite value;
 #: a product rounds up to Inf from halfway to the next power step, 65520).
 FP16_SQUARE_OVERFLOW = math.sqrt(65520.0)
@@ -89,7 +96,7 @@ class OutlierSums:
     ``mrs_share``, ``outlier_ratio`` (all ``>= 0``, so 0 is the empty value). Added:
 
     Attributes:
-        overflow: entries whose square overflows float16.
+        overflow: entries whose square would overflow float16 (``|x| >= 255.97``).
         entries: entries seen.
         kurtosis_sum: summed kurtosis of the tokens that have one.
         kurtosis_tokens: tokens that have one (their channels are not all equal).
@@ -241,7 +248,7 @@ def outlier_figures(sums: OutlierSums) -> dict[str, Tensor]:
         "rms_share": sums.rms_share,
         "mrs_share": sums.mrs_share,
         "outlier_ratio": sums.outlier_ratio,
-        "fp16_overflow_frac": sums.overflow / sums.entries.clamp_min(1),
+        "x2_over_fp16_frac": sums.overflow / sums.entries.clamp_min(1),
         "kurtosis": sums.kurtosis_sum / sums.kurtosis_tokens.clamp_min(1),
         "nonfinite": sums.nonfinite,
     }

@@ -21,9 +21,11 @@ LayerNorms stay; ``--sweep lm`` varies the body norm and the mixed precision of 
     # on CIFAR-100 (a GPU; ViT-Lite-7/4)
     python recipes/stress.py --sweep qk --dataset cifar100 --epochs 50
     # the language-model sweeps, offline on a CPU, on the standard library's sources (stdlib):
-    # arms rms/mrs/layer in fp16 (with a loss scaler) and bf16, plus rms/mrs in fp32 at the smallest and
-    # largest lr; lrs 0.001 0.01 0.1 1; batch 16 windows of 64 bytes; seeds 0 1 2; 100 AdamW steps of a
-    # 2-layer, 32-wide Llama; no warm-up; --quick: one seed, lrs 0.01 1, 40 steps
+    # arms rms/mrs/layer in fp16 (with a loss scaler) and bf16; in pure fp16 (16-true) rms, mrs and the
+    # half-internal rms-half, mrs-half; rms/mrs in fp32 at the smallest, the largest lr and 0.01 (those at
+    # 0.01 then go through the mechanism stress: pure fp16, a planted channel); lrs 0.001 0.01 0.1 1;
+    # batch 16 windows of 64 bytes; seeds 0-9; 100 AdamW steps of a 2-layer, 32-wide Llama; no warm-up;
+    # --quick: one seed, lrs 0.01 1, 40 steps
     python recipes/stress.py --sweep lm --jobs 2
     # QK-norms none layer rms mrs of the same Llama (its RMSNorms stay), bf16; lrs 0.001 0.003 0.01 0.03
     # 0.1 0.3 1; your own text: --dataset text --root FILE_OR_DIR
@@ -42,8 +44,9 @@ smallest ``attention/all/entropy_min`` and the largest ``attention/all/collapsed
 An ``lm``/``lm-qk`` cell trains ``recipes/lm.py``'s ``ByteLM`` (:mod:`recipes.sweeps.lm_cell`) and records
 the final and best validation bits per byte (a diverged cell counts as 8 bits per byte), the first
 non-finite loss step, the loss scaler's skipped steps and final scale (fp16), the OutlierMonitor's
-worst absmax, denominator shares and fp16_overflow_frac, grad_cv and starved_frac, and the largest
-attention logit.
+worst absmax, denominator shares and x2_over_fp16_frac, grad_cv and starved_frac, and the largest
+attention logit; ``results.csv`` has the arm's factors (``norm``, ``precision``) as columns. Every
+``results.csv`` row also says the machine it ran on (device, CPU model, torch's vector ISA, threads).
 Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``,
 ``runs/stress_lm_<dataset>``, ``runs/stress_lm_qk_<dataset>``):
 
@@ -52,9 +55,11 @@ Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<datas
   cells in progress.
 - ``results.csv`` (one row per cell), ``robustness.csv`` (LR sensitivity and the largest lr
   still reaching 90 % of the best, per arm and batch size), ``results.md`` (setup, the
-  verdict on each claim computed from ``results.csv``, the robustness tables, mean ± sd over
-  seeds per cell) and ``results.png`` (top-1 against lr per batch size; ``qk``: top-1 and the
-  largest attention logit against lr).
+  verdict on each claim computed from ``results.csv``, and for every inconclusive comparison
+  the seeds per arm that would resolve it, the robustness tables, mean ± sd over seeds per
+  cell) and ``results.png`` (top-1 against lr per batch size; ``qk``: top-1 and the largest
+  attention logit against lr); ``--sweep lm`` also ``mechanism.csv`` and ``mechanism.png``.
+  ``python -m recipes.sweeps.rebuild`` rebuilds a report from its CSV files alone.
 - ``tb/<cell>/``: each cell's TensorBoard run (``tensorboard --logdir <out>/tb``).
 - ``settings.json``: the settings of the sweep; a rerun with different settings is refused.
   ``data.json``: the classes and the training and validation sizes.

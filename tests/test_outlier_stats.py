@@ -65,7 +65,7 @@ def test_half_inputs_are_computed_in_float32(dtype: torch.dtype) -> None:
     x = (torch.randn(4, 9, 32, dtype=torch.float64) * 100).to(dtype)  # squares overflow fp16
     got = figures(x)
     assert_matches(got, outlier_ref(x), *TOLS[torch.float32])
-    assert 0 < got["fp16_overflow_frac"] < 1
+    assert 0 < got["x2_over_fp16_frac"] < 1
 
 
 def test_non_contiguous_layouts() -> None:
@@ -80,7 +80,7 @@ def test_non_contiguous_layouts() -> None:
 def test_zeros_give_documented_neutral_values() -> None:
     got = figures(torch.zeros(3, 8))
     assert got == {"absmax": 0.0, "rms_share": 1 / 8, "mrs_share": 1 / 4, "outlier_ratio": 1.0,
-                   "fp16_overflow_frac": 0.0, "nonfinite": 0.0}  # no kurtosis: no token has unequal channels
+                   "x2_over_fp16_frac": 0.0, "nonfinite": 0.0}  # no kurtosis: no token has unequal channels
     mixed = torch.zeros(4, 6, dtype=torch.float64)
     mixed[1] = torch.tensor([3.0, 0, 0, 0, 0, 0])  # a zero median under a non-zero maximum
     mixed[2] = torch.arange(6.0)
@@ -102,7 +102,7 @@ def test_nonfinite_entries_are_counted_and_read_as_zero() -> None:
     x = torch.randn(5, 8, dtype=torch.float64)
     x[0, 1], x[2, 3], x[3, 0] = math.nan, math.inf, -math.inf
     got = figures(x)
-    assert got["nonfinite"] == 3 and got["fp16_overflow_frac"] == pytest.approx(2 / 40)  # +-Inf overflow, NaN not
+    assert got["nonfinite"] == 3 and got["x2_over_fp16_frac"] == pytest.approx(2 / 40)  # +-Inf overflow, NaN not
     assert_matches(got, outlier_ref(x), *TOLS[torch.float64])
     assert all(math.isfinite(v) for v in got.values())
 

@@ -6,18 +6,20 @@ Used by :func:`lightning_mrs.swap_norms`; see :class:`lightning_mrs.swap.SwapOpt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.swap.half import MRSNormHalf, RMSNormHalf
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
 
 __all__ = ["DEFAULT_EPS", "Plan", "accelerate_hooked", "build_replacement", "offloaded", "plan_replacement"]
 
 _PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one statistic per sample
+_HALF = {"rms-half": RMSNormHalf, "mrs-half": MRSNormHalf}  # the experimental targets computed in the input's dtype
 #: the eps of a new norm whose source has none (an added QK-norm, a norm without ``eps``)
 DEFAULT_EPS = 1e-6
 
@@ -50,11 +52,20 @@ def _auto_spatial(spec: NormSpec) -> bool:
     return bool(spec.spatial)
 
 
-def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object) -> Optional[Plan]:
-    """The replacement of ``module`` for ``target``, or ``None`` when it already is one.
+def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object) -> Union[Plan, str, None]:
+    """The replacement of ``module`` for ``target``, ``None`` when it already is one, or why it cannot be.
 
     ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only).
     """
+    if target in _HALF:  # experimental baselines (lightning_mrs.swap.half): channels-last sources only
+        if spec.channel_dim != -1:
+            return (f"target={target!r} is an experimental channels-last baseline; this norm is channels-first "
+                    "(keep it, exclude it, or use target='rms'/'mrs')")
+        if spec.kind == target:
+            return None
+        if target == "mrs-half" and spec.num_channels % 2:
+            return f"odd channel count {spec.num_channels}: MRSNorm pairs adjacent channels; keep or exclude this norm"
+        return Plan(_HALF[target].__name__, lambda c, e, a, dd: _HALF[target](c, e, a, **dd))
     if spec.channel_dim == -1:
         if target == "mrs":
             return None if spec.kind == "mrs" else Plan("MRSNorm", lambda c, e, a, dd: MRSNorm(c, e, a, **dd))
@@ -106,7 +117,7 @@ def _offset(module: nn.Module, spec: NormSpec) -> float:
 
 def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
     """The old weight as one value per channel (an MRS weight holds one per phasor)."""
-    return weight.repeat_interleave(2) if old_kind == "mrs" else weight
+    return weight.repeat_interleave(2) if old_kind in ("mrs", "mrs-half") else weight
 
 
 @torch.no_grad()
@@ -134,7 +145,7 @@ def build_replacement(module: nn.Module, spec: NormSpec, plan: Plan, init: str, 
         else:
             w = raw + offset if offset else raw  # the effective per-channel scale
             w = w - new.offset if isinstance(new, OffsetRMSNorm) else w
-        if isinstance(new, (MRSNorm, MRSNorm2d)):
+        if isinstance(new, (MRSNorm, MRSNorm2d, MRSNormHalf)):
             # one weight per phasor from its two channels: the mean keeps zero-init zeros zero
             w = w.reshape(-1, 2).mean(dim=1)  # (C/2,)
         new.weight.copy_(w)

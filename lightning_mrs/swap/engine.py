@@ -142,6 +142,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                  "device_map=...)")
             continue
         plan = plan_replacement(module, spec, kind, spatial)
+        if isinstance(plan, str):  # this target cannot replace this norm (an experimental half target)
+            skip(plan)
+            continue
         if plan is None:
             report.unchanged.append(name)
             continue

@@ -13,10 +13,12 @@ from torch import nn
 
 __all__ = ["QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
-SWAP_TARGETS = ("mrs", "rms", "layer")
+#: "rms-half", "mrs-half": experimental baselines computed in the input's dtype (lightning_mrs.swap.half)
+SWAP_TARGETS = ("mrs", "rms", "layer", "rms-half", "mrs-half")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
-QK_NORMS = (None, True, False, *SWAP_TARGETS)
+_QK_KINDS = ("mrs", "rms", "layer")
+QK_NORMS = (None, True, False, *_QK_KINDS)
 _INITS = ("inherit", "ones", "calibrate")
 _SPATIAL = ("auto", True, False)
 Selector = Union[str, type, Iterable[Union[str, type]], None]
@@ -81,6 +83,8 @@ class SwapOptions:
         target: ``"mrs"`` (MRSNorm / MRSNorm2d), or the baselines ``"rms"`` (nn.RMSNorm /
             RMSNorm2d) and ``"layer"`` (nn.LayerNorm / LayerNorm2d / GroupNorm(1, C)), or
             ``None``: the body's norms stay as they are (vary the QK-norm alone, ``qk_norm``).
+            Experimental: ``"rms-half"``/``"mrs-half"`` compute in the input's dtype (the paper's
+            half-precision setting, :mod:`lightning_mrs.swap.half`; channels-last norms only).
         qk_norm: the per-head norm on the queries and keys of attention layers (QK-norm;
             see :mod:`lightning_mrs.swap.attention`). ``None`` (default): a QK-norm the model
             already has is a norm like any other and follows ``target``; none is added.
@@ -134,12 +138,12 @@ class SwapOptions:
                 "or None to keep the body's norms."
             )
         qk = self.qk_norm
-        if not any(qk is v for v in (None, True, False)) and (not isinstance(qk, str) or qk not in SWAP_TARGETS):
+        if not any(qk is v for v in (None, True, False)) and (not isinstance(qk, str) or qk not in _QK_KINDS):
             raise ValueError(f"SwapOptions: qk_norm={qk!r} is not valid; choose one of {list(QK_NORMS)}.")
-        if qk is True and self.target is None:
+        if qk is True and self.target not in _QK_KINDS:
             raise ValueError(
-                "SwapOptions: qk_norm=True asks for QK-norms of the target's kind, but target=None; name the "
-                f"kind instead, e.g. qk_norm='mrs' (one of {list(SWAP_TARGETS)})."
+                f"SwapOptions: qk_norm=True asks for QK-norms of the target's kind, but target={self.target!r}; "
+                f"name the kind instead, e.g. qk_norm='mrs' (one of {list(_QK_KINDS)})."
             )
         if not any(self.spatial is s for s in _SPATIAL) and self.spatial != "auto":
             raise ValueError(f"SwapOptions: spatial={self.spatial!r} is not valid; choose one of {list(_SPATIAL)}.")

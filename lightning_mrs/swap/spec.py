@@ -37,6 +37,8 @@ from lightning_mrs.swap.registry import NormSpec, iter_norm_layers, norm_spec
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
+    if target in ("rms-half", "mrs-half"):
+        return spec.kind == target
     if target == "mrs":
         return spec.kind == "mrs"
     if target == "rms":
@@ -85,7 +87,8 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
 
 
 #: the swap target that builds a layer of each recorded kind
-_TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer"}
+_TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
+                   "rms-half": "rms-half", "mrs-half": "mrs-half"}
 
 
 def _literal(name: str) -> str:

@@ -18,7 +18,8 @@ from recipes.sweeps.records import Row, arm_key, chance, distinct_lrs, select
 
 __all__ = ["COLOURS", "chance_line", "lines", "lr_axis", "pyplot", "save"]
 
-COLOURS = {"layer": "tab:blue", "rms": "tab:orange", "mrs": "tab:green", "batch": "tab:gray", "none": "tab:red"}
+COLOURS = {"layer": "tab:blue", "rms": "tab:orange", "mrs": "tab:green", "batch": "tab:gray", "none": "tab:red",
+           "rms-half": "tab:brown", "mrs-half": "tab:olive"}
 _TITLE_PT = 10
 _CHAR_WIDTH_IN = 0.6 * _TITLE_PT / 72  # an average character of the title font, in inches
 
@@ -68,10 +69,12 @@ def chance_line(ax: Any, rows: list[Row], lrs: list[float]) -> None:
         ax.text(lrs[-1], 100 * c + 1, "chance", fontsize=8, va="bottom", ha="right")
 
 
-def save(plt: Any, fig: Any, handles: list, labels: list[str], title: str, path: Path) -> None:
-    """Title (wrapped to the figure's width, so a one-panel figure keeps all of it), legend, atomic save."""
-    handles = handles + [plt.Line2D([], [], color="red", marker="x", ls="", mew=2)]
-    labels = labels + ["a seed diverged"]
+def save(plt: Any, fig: Any, handles: list, labels: list[str], title: str, path: Path, diverged: bool = True) -> None:
+    """Title (wrapped to the figure's width, so a one-panel figure keeps all of it), legend (``diverged``: with
+    the divergence mark), atomic save."""
+    if diverged:
+        handles = handles + [plt.Line2D([], [], color="red", marker="x", ls="", mew=2)]
+        labels = labels + ["a seed diverged"]
     width_in = fig.get_size_inches()[0]
     fig.suptitle(textwrap.fill(title, max(20, int(0.9 * width_in / _CHAR_WIDTH_IN))), fontsize=_TITLE_PT)
     columns = max(1, min(len(handles), int(width_in / 1.1)))  # a legend entry needs about 1.1 inches

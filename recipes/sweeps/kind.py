@@ -21,7 +21,7 @@ from recipes.sweeps.claims.engine import Claim
 from recipes.sweeps.records import HEAD_COLUMNS, Row
 from recipes.sweeps.score import TOP1, Score
 
-__all__ = ["History", "Measured", "Sweep"]
+__all__ = ["History", "Measured", "Sweep", "Table"]
 
 #: every metric a cell logged: ``history[name] = [(step, value), ...]``
 History = Mapping[str, Sequence[tuple[int, float]]]
@@ -35,6 +35,44 @@ def _nothing(args: argparse.Namespace) -> dict[str, Any]:
 
 def _no_note(record: Mapping[str, Any]) -> str:
     return ""
+
+
+def _no_factors(values: Mapping[str, Any]) -> dict[str, str]:
+    return {}
+
+
+def _no_lines(rows: list[dict[str, Any]]) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Table:
+    """A kind's own tidy table beside ``results.csv``, from its cells' records (e.g. ``--sweep lm``'s mechanism
+    stress): ``<name>.csv``, a section of ``results.md`` with its own claims, ``<name>.png``.
+
+    Attributes:
+        name: the file stem and the record's key that holds the rows (a list of dicts).
+        columns: the CSV's columns, in order.
+        numeric: the columns read back as floats (the others stay text).
+        title: the section's heading.
+        intro: the section's opening lines (what the table is, how it was measured).
+        claims: the table's rows (read back from the CSV) -> its claims, not yet evaluated.
+        rule: the lines that open its claims (definitions).
+        figure: draw ``<name>.png`` from the rows (atomically).
+        plotted: what the figure shows, for the section's text.
+        lines: the rows -> the section's computed lines (e.g. a table of means).
+    """
+
+    name: str
+    columns: tuple[str, ...]
+    numeric: tuple[str, ...]
+    title: str
+    intro: tuple[str, ...]
+    claims: Callable[[list[dict[str, Any]]], list[Claim]]
+    rule: tuple[str, ...]
+    figure: Callable[[list[dict[str, Any]], Path], Any]
+    plotted: str
+    lines: Callable[[list[dict[str, Any]]], list[str]] = field(default=_no_lines)
 
 
 @dataclass(frozen=True)
@@ -76,6 +114,10 @@ class Sweep:
         checker: ``module:function`` that checks every cell's settings before the first runs.
         keep: the cells of the grid the kind runs (e.g. a reference arm at a few learning rates only).
         data_note: the record of the checked data (``data.json``) -> its line in ``results.md``.
+        factor_columns: the factors an arm packs, each a ``results.csv`` column after the arm's (tidy rows).
+        factors: a record or CSV row -> its factors' values (from its arm), where the row lacks them.
+        aliases: a metric column's old name -> its name now: records written before a rename are read under it.
+        tables: the kind's own tables beside ``results.csv`` (:class:`Table`).
     """
 
     name: str
@@ -114,6 +156,10 @@ class Sweep:
     checker: str = "recipes.sweeps.checks:check_cells"
     keep: Optional[Callable[[tuple[str, float, int, int], argparse.Namespace], bool]] = None
     data_note: Optional[Callable[[Mapping[str, Any]], str]] = None
+    factor_columns: tuple[str, ...] = ()
+    factors: Callable[[Mapping[str, Any]], dict[str, str]] = field(default=_no_factors)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    tables: tuple[Table, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -132,5 +178,19 @@ class Sweep:
         return getattr(importlib.import_module(module), name)
 
     def row(self, values: Mapping[str, Any]) -> Row:
-        """A typed row of this kind from a record or a CSV row."""
-        return Row.parse(values, self.arm_column, self.metric_columns)
+        """A typed row of this kind from a record or a CSV row (old column names and missing factors filled in)."""
+        values = dict(values)
+        for old, new in self.aliases.items():
+            if values.get(new) in (None, "") and old in values:
+                values[new] = values[old]
+        for name, value in self.factors(values).items():
+            if values.get(name) in (None, ""):
+                values[name] = value
+        return Row.parse(values, self.arm_column, self.metric_columns, self.factor_columns)
+
+    def read(self, path: Path) -> list[Row]:
+        """The typed rows of this kind's ``results.csv`` at ``path`` (older files included: :meth:`row`)."""
+        import csv
+
+        with open(path, newline="") as f:
+            return [self.row(values) for values in csv.DictReader(f)]

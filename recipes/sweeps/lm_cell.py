@@ -6,7 +6,14 @@ runs a fixed number of optimizer steps on an endless stream of random windows an
 :data:`VALIDATIONS` times on the fixed validation windows. Precision ``fp16`` is float16 autocast
 with a loss scaler on every device (on the CPU through ``MixedPrecision("16-mixed", "cpu",
 GradScaler("cpu"))``, as the recipe does); :class:`ScalerLog` counts the steps the scaler skipped
-(each halves its scale: the gradients held an Inf/NaN) and keeps its last scale.
+(each halves its scale: the gradients held an Inf/NaN) and keeps its last scale. ``fp16-true`` is
+Lightning's ``16-true``: the model (weights, optimizer state, every activation) in float16, no scaler.
+The experimental norms ``rms-half``/``mrs-half`` are swapped in here (the LM recipe's ``--model.norm``
+does not offer them): the model is built with its own norms, then :func:`lightning_mrs.swap_norms`.
+
+An fp32 cell of a kind with the mechanism table (``--sweep lm``) at
+:data:`~recipes.sweeps.mechanism.MECHANISM_LR` is evaluated after training by
+:func:`~recipes.sweeps.mechanism_eval.mechanism_rows`; its record keeps the rows under ``mechanism``.
 
 A cell whose training loss turns non-finite stops there (:class:`~recipes.sweeps.cell.DivergenceStop`)
 and counts as :data:`~recipes.sweeps.score.DIVERGED_BPB` bits per byte: its ``final_bpb`` is that, its
@@ -29,21 +36,23 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 from typing_extensions import override
 
+from lightning_mrs import swap_norms
 from lightning_mrs.swap.attention import expose_attention
 from recipes.training import ValidateAtEnd
 from recipes.errors import UsageError
 from recipes.hparams import FINAL, RunLogger, log_hparams
 from recipes.lm import ByteLM, cpu_fp16
 from recipes.sweeps.cell import DivergenceStop, MemoryLogger, fit
+from recipes.lm_checks import check_swap
 from recipes.sweeps.lm import VALIDATIONS
+from recipes.sweeps.lm_claims import HALF_NORMS, PRECISIONS, split_arm
+from recipes.sweeps.mechanism import MECHANISM_LR
 from recipes.sweeps.score import DIVERGED_BPB
 from recipes.sweeps.series import thin
 from recipes.text_data import TextDataModule
 
 __all__ = ["PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
 
-#: an arm's precision -> Lightning's name (fp16: with a loss scaler, also on the CPU)
-PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 
 class ScalerLog(Callback):
@@ -112,9 +121,15 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
     """The arm's ``ByteLM``; without a QK-norm its attention is exposed (same outputs) for the AttentionMonitor."""
     d = args.sweep.datasets[args.dataset]
     chosen = _setting(args, arm)["model"]
+    half = chosen.get("norm") in HALF_NORMS  # experimental: not a --model.norm of the recipe
     model = ByteLM(arch=args.arch, config=args.arch_kwargs, mrs_backend=args.mrs_backend, lr=lr,
                    weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, schedule=args.schedule,
-                   seq_len=d["seq_len"], sample_bytes=0, **chosen)
+                   seq_len=d["seq_len"], sample_bytes=0, **{**chosen, "norm": "none" if half else chosen["norm"]})
+    if half:
+        with warnings.catch_warnings():  # "converted none" is check_swap's error
+            warnings.simplefilter("ignore")
+            model.swap_report = swap_norms(model.model, chosen["norm"])
+        check_swap(model.model, args.arch, chosen["norm"], chosen.get("qk_norm", "none"), model.swap_report)
     if chosen.get("qk_norm", "none") == "none":
         expose_attention(model.model)
     return model
@@ -193,6 +208,7 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         "diverged": diverged_at is not None, "divergence_step": diverged_at,
         "channels": model.model.config.hidden_size,
         "scaler_skipped": scaler.skipped, "scaler_final_scale": scaler.final_scale,
+        **_mechanism(args, model, dm, arm, {"lr": lr, "batch_size": batch_size, "seed": seed}, diverged_at),
         **metrics,
         "tb_run": str(Path("tb") / name),
         "curves": {"train_loss": thin(losses), "val_bpb": [[s, v] for s, v in val], "loss_scale": thin(scaler.scales),
@@ -200,6 +216,21 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
     }
     _log_cell_hparams(args, tb, record, setting["precision"])
     return record
+
+
+def _mechanism(args: argparse.Namespace, model: ByteLM, dm: TextDataModule, arm: str, cell: dict[str, Any],
+               diverged_at: Optional[int]) -> dict[str, Any]:
+    """``{"mechanism": rows}`` for an fp32 RMSNorm/MRSNorm cell at MECHANISM_LR of a kind that has the table."""
+    norm, precision = split_arm(arm)
+    wanted = any(t.name == "mechanism" for t in args.sweep.tables)
+    if not wanted or precision != "fp32" or norm not in ("rms", "mrs") or diverged_at is not None:
+        return {}
+    if abs(cell["lr"] - MECHANISM_LR) > 1e-9 * MECHANISM_LR:
+        return {}
+    from recipes.sweeps.mechanism_eval import mechanism_rows
+
+    windows = torch.stack([dm.val_set[i] for i in range(len(dm.val_set))])  # (W, T + 1)
+    return {"mechanism": mechanism_rows(model.model, windows, norm, cell)}
 
 
 #: the record's values every language-model cell shows in TensorBoard's HParams dashboard (with the kind's columns)

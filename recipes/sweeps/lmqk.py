@@ -5,7 +5,7 @@ Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training 
 Arms: the QK-norm added to every attention layer (``none``, ``layer``, ``rms``, ``mrs``), the Llama's
 own RMSNorms kept, x AdamW learning rate x seed, in bf16 mixed precision (``--precision`` to change),
 on the ``stdlib`` bytes, with the ``lm`` sweep's model, steps and monitors. Scored by the final val
-bits per byte (a diverged cell: 8).
+bits per byte (a diverged cell: 8). ``results.csv`` states each cell's ``precision`` (Lightning's name).
 
 The statements tested (the attention-logit comparisons are the ``qk`` sweep's,
 :func:`recipes.sweeps.qk.per_lr`, on the LM): **0** the premise (logits of ``none`` grow with the lr),
@@ -148,5 +148,5 @@ LM_QK = Sweep(
     model_arms=_model_arms, claims=claims, rule=RULE, figure=figure, title="Language-model QK-norm stress sweep",
     arm_label="QK-norm", plotted="the final val bpb and the largest attention logit",
     cell_prefix="lmqk-", out_stem="stress_lm_qk", extra_settings=extra_settings, progress_note=progress_note,
-    **LM_COMMON,
+    factor_columns=("precision",), **LM_COMMON,
 )

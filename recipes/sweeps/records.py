@@ -1,7 +1,10 @@
 """A sweep's per-cell rows, typed: the ``results.csv`` columns, writing and reading them back, atomic writes.
 
 A *cell* is one training run (arm, learning rate, batch size, seed); the *arm* is what the sweep varies
-(the body norm: column ``norm``; the QK-norm: ``qk_norm``; the sweep kind names the column). The report
+(the body norm: column ``norm``; the QK-norm: ``qk_norm``; the sweep kind names the column). The table is
+tidy: an arm that packs several factors (``--sweep lm``'s ``mrs-fp16``) has one column per factor
+beside it (``norm``, ``precision``: the kind's ``factor_columns``), and every row says the machine it ran
+on (``device``, ``cpu_model``, ``cpu_isa``: torch's CPU capability, ``threads``). The report
 and the claims read the rows back from ``results.csv`` (:func:`read_csv`), so everything in ``results.md``
 can be recomputed from that file alone. Needs no torch.
 
@@ -30,8 +33,9 @@ ARM_ORDER = ("none", "layer", "rms", "mrs", "batch")
 #: the columns every sweep has, after its arm column and before its own metric columns
 HEAD_COLUMNS = ("lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps", "planned_steps", "best_top1",
                 "final_top1", "final_val_loss", "final_train_loss", "diverged", "divergence_step")
-#: the columns every sweep has after its metric columns
-TAIL_COLUMNS = ("wall_s", "cpu_s", "tb_run")
+#: the columns every sweep has after its metric columns: cost, machine (empty in records older than it), run
+TAIL_COLUMNS = ("wall_s", "cpu_s", "device", "cpu_model", "cpu_isa", "threads", "tb_run")
+_TEXT = ("arch", "dataset", "tb_run", "device", "cpu_model", "cpu_isa")
 # records written before num_classes was recorded
 _CLASSES = {"cifar100": 100, "synthetic": 100, "digits": 10}
 
@@ -40,7 +44,8 @@ _CLASSES = {"cifar100": 100, "synthetic": 100, "digits": 10}
 class Row:
     """One finished cell as ``results.csv`` holds it (``None``: not recorded).
 
-    ``metrics`` holds the sweep kind's own columns (e.g. ``mean_grad_cv``, ``max_logit``).
+    ``metrics`` holds the sweep kind's own columns (e.g. ``mean_grad_cv``, ``max_logit``), ``factors``
+    the factors its arm packs (e.g. ``{"norm": "mrs", "precision": "16-mixed"}``).
     """
 
     arm: str
@@ -61,17 +66,24 @@ class Row:
     metrics: dict[str, Optional[float]] = field(default_factory=dict)
     wall_s: Optional[float] = None
     cpu_s: Optional[float] = None
+    device: str = ""
+    cpu_model: str = ""
+    cpu_isa: str = ""
+    threads: Optional[int] = None
     tb_run: str = ""
+    factors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, values: Mapping[str, Any], arm_column: str, metric_columns: Sequence[str]) -> "Row":
+    def parse(cls, values: Mapping[str, Any], arm_column: str, metric_columns: Sequence[str],
+              factor_columns: Sequence[str] = ()) -> "Row":
         """A row from a cell record (JSON values) or a CSV row (strings); absent or empty values are ``None``."""
         kinds = {f.name: f.type for f in fields(cls)}
         out: dict[str, Any] = {"arm": str(values[arm_column])}
         for name in (*HEAD_COLUMNS, *TAIL_COLUMNS):
             out[name] = _typed(values.get(name), kinds[name])
         out["diverged"] = values.get("diverged") in (True, 1, "1", "True", "true")
-        out["arch"], out["dataset"], out["tb_run"] = (str(values.get(k) or "") for k in ("arch", "dataset", "tb_run"))
+        out.update({k: str(values.get(k) or "") for k in _TEXT})
+        out["factors"] = {k: str(values.get(k) or "") for k in factor_columns}
         if out["num_classes"] is None:
             out["num_classes"] = _CLASSES.get(out["dataset"])
         out["metrics"] = {k: _typed(values.get(k), "Optional[float]") for k in metric_columns}
@@ -81,6 +93,8 @@ class Row:
         """The value of ``column`` (the arm's column is ``arm_column``; metrics by their own name)."""
         if column == arm_column:
             return self.arm
+        if column in self.factors:
+            return self.factors[column]
         return self.metrics.get(column) if column in self.metrics else getattr(self, column, None)
 
 
@@ -94,9 +108,11 @@ def _typed(value: Any, kind: str) -> Any:
     return value
 
 
-def columns(arm_column: str, metric_columns: Sequence[str], head: Sequence[str] = HEAD_COLUMNS) -> list[str]:
-    """``results.csv``'s header: the arm, the shared columns (``head``), the sweep's metrics, cost and run."""
-    return [arm_column, *head, *metric_columns, *TAIL_COLUMNS]
+def columns(arm_column: str, metric_columns: Sequence[str], head: Sequence[str] = HEAD_COLUMNS,
+            factors: Sequence[str] = ()) -> list[str]:
+    """``results.csv``'s header: the arm, its factors, the shared columns (``head``), the sweep's metrics, cost,
+    machine and run."""
+    return [arm_column, *factors, *head, *metric_columns, *TAIL_COLUMNS]
 
 
 def _fmt(value: Any) -> str:
@@ -119,16 +135,17 @@ def csv_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 
 def csv_text(rows: Iterable[Row], arm_column: str, metric_columns: Sequence[str],
-             head: Sequence[str] = HEAD_COLUMNS) -> str:
-    """``results.csv``'s text of ``rows`` (``head``: the shared columns the kind has)."""
-    header = columns(arm_column, metric_columns, head)
+             head: Sequence[str] = HEAD_COLUMNS, factors: Sequence[str] = ()) -> str:
+    """``results.csv``'s text of ``rows`` (``head``: the shared columns the kind has; ``factors``: its arm's)."""
+    header = columns(arm_column, metric_columns, head, factors)
     return csv_table(header, ([r.value(c, arm_column) for c in header] for r in rows))
 
 
-def read_csv(path: Path, arm_column: str, metric_columns: Sequence[str]) -> list[Row]:
+def read_csv(path: Path, arm_column: str, metric_columns: Sequence[str],
+             factor_columns: Sequence[str] = ()) -> list[Row]:
     """The rows of a ``results.csv``, typed."""
     with open(path, newline="") as f:
-        return [Row.parse(row, arm_column, metric_columns) for row in csv.DictReader(f)]
+        return [Row.parse(row, arm_column, metric_columns, factor_columns) for row in csv.DictReader(f)]
 
 
 def _umask() -> int:

@@ -2,10 +2,16 @@
 
 * ``results.csv``: one row per finished cell (the kind's columns, :func:`recipes.sweeps.records.columns`);
 * ``robustness.csv``: LR sensitivity and breaking point per arm and batch size (:mod:`recipes.sweeps.robustness`);
-* ``results.md``: setup, the claims' verdicts (the kind's claims, laid out by
-  :mod:`recipes.sweeps.claims.markdown`), the robustness tables and the per-cell table (mean ± sd over
-  seeds), all computed from ``results.csv``;
+* ``<table>.csv`` and ``<table>.png``: a kind's own tables (:class:`~recipes.sweeps.kind.Table`, e.g. the
+  ``lm`` sweep's ``mechanism``), from its cells' records;
+* ``results.md``: setup (the machine included), the claims' verdicts (the kind's claims and its tables',
+  laid out by :mod:`recipes.sweeps.claims.markdown`, with the seeds each inconclusive comparison would
+  need), the tables' sections, the robustness tables and the per-cell table (mean ± sd over seeds), all
+  computed from the CSV files;
 * ``results.png``: the kind's figure.
+
+:func:`render` rebuilds ``results.md``, ``robustness.csv`` and the figures from the CSV files alone
+(:mod:`recipes.sweeps.rebuild`: a committed report whose cells are gone).
 
 Needs no torch (a rerun with nothing to train stays fast); scipy for the intervals, matplotlib (Agg)
 for the figure.
@@ -13,23 +19,24 @@ for the figure.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import shlex
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from recipes.sweeps import robustness as rb
 from recipes.sweeps.claims.engine import evaluate
 from recipes.sweeps.claims.markdown import markdown as claims_markdown
 from recipes.sweeps.claims.stats import MIN_SEEDS
-from recipes.sweeps.kind import Sweep
-from recipes.sweeps.records import Row, arm_key, csv_text, load_records, read_csv, row_key, write_atomic
+from recipes.sweeps.kind import Sweep, Table
+from recipes.sweeps.records import Row, arm_key, csv_table, csv_text, load_records, row_key, write_atomic
 from recipes.sweeps.score import TOP1, Score
 
-__all__ = ["DATA_FILE", "verdict_command", "write_outputs"]
+__all__ = ["DATA_FILE", "machine_lines", "read_table", "render", "table_csv", "verdict_command", "write_outputs"]
 
 #: what the data of the sweep were (classes, sizes), written when the cells' settings are checked
 DATA_FILE = "data.json"
@@ -71,6 +78,20 @@ def _data(out: Path, kind: Sweep) -> list[str]:
     shown = ", ".join(classes[:12]) + (f", ... ({len(classes) - 12} more)" if len(classes) > 12 else "")
     return [f"- data: {len(classes)} classes ({shown}); {data.get('train')} training and {data.get('val')} "
             f"validation images" + (f" in `{data['root']}`" if data.get("root") else "")]
+
+
+def machine_lines(rows: list[Row]) -> list[str]:
+    """The Setup line that says what the cells ran on: device, CPU model, vector ISA, threads (cells of each)."""
+    groups = Counter((r.device, r.cpu_model, r.cpu_isa, r.threads) for r in rows)
+    parts = []
+    for (device, model, isa, threads), n in sorted(groups.items(), key=lambda kv: (-kv[1], str(kv[0]))):
+        if not (model or isa):
+            parts.append(f"not recorded ({n} cells, written before the records kept it)")
+            continue
+        gpu = f"{device}, host CPU " if device and device != "cpu" else ""
+        parts.append(f"{gpu}{model or '?'} (vector ISA: torch's CPU capability {isa or '?'}), "
+                     f"{threads if threads is not None else '?'} thread(s) per cell: {n} cells")
+    return [f"- machine: {'; '.join(parts)}"] if parts else []
 
 
 def _cost(rows: list[Row]) -> list[str]:
@@ -143,21 +164,53 @@ def _few_seeds(rows: list[Row], commands: list[str]) -> list[str]:
             f"compares. For verdicts, run the full grid (its default seeds, without `--quick`): `{command}`", ""]
 
 
+def table_csv(table: Table, records: Sequence[dict[str, Any]]) -> str:
+    """``<table>.csv``: the rows every record holds under the table's name, in record order."""
+    rows = [row for r in records for row in r.get(table.name) or ()]
+    return csv_table(table.columns, ([row.get(c) for c in table.columns] for row in rows))
+
+
+def read_table(table: Table, path: Path) -> list[dict[str, Any]]:
+    """A table's rows read back from its CSV (``numeric`` columns as floats, NaN kept; empty: ``None``)."""
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: (float(v) if v not in ("", None) else None) if k in table.numeric else v for k, v in row.items()}
+            for row in rows]
+
+
+def _table_section(table: Table, rows: list[dict[str, Any]]) -> list[str]:
+    return [f"## {table.title}", "", *table.intro, "",
+            f"Rows: `{table.name}.csv` ({len(rows)} rows); `{table.name}.png` plots {table.plotted}. Its claim is "
+            "in the Claims section above.", "", *table.lines(rows)]
+
+
 def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any], commands: list[str],
-              summaries: list[rb.Robustness]) -> str:
+              summaries: list[rb.Robustness], tables: dict[str, list[dict[str, Any]]],
+              setup: Optional[list[str]] = None) -> str:
     dataset = settings.get("dataset", "?")
+    claims = [evaluate(c) for c in kind.claims(rows)]
+    rule = list(kind.rule)
+    sections: list[str] = []
+    for table in kind.tables:
+        claims += [evaluate(c) for c in table.claims(tables.get(table.name, []))]
+        rule += table.rule
+        sections += _table_section(table, tables.get(table.name, []))
     lines = [
         f"# {kind.title} ({dataset})",
         "",
         *_few_seeds(rows, commands),
         "Every number below is computed by `recipes/sweeps/report.py` from `results.csv` (one row per cell: one "
-        f"training run of one {kind.arm_label}, learning rate, batch size and seed); `results.png` plots "
+        f"training run of one {kind.arm_label}, learning rate, batch size and seed)"
+        + "".join(f" and `{t.name}.csv`" for t in kind.tables) + f"; `results.png` plots "
         f"{kind.plotted} against the learning rate.",
         "",
         "## Setup",
         "",
         *_axes(rows, kind),
-        *_data(out, kind),
+        *(setup if setup is not None else _data(out, kind)),
+        *machine_lines(rows),
         *[f"- {k}: `{v}`" for k, v in settings.items()],
         *_cost(rows),
         "",
@@ -165,33 +218,54 @@ def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any],
         "",
         *[f"    {c}" for c in commands],
         "",
-        *claims_markdown([evaluate(c) for c in kind.claims(rows)], kind.rule),
+        *claims_markdown(claims, rule),
+        *sections,
         *rb.markdown(summaries, kind.arm_column, kind.score),
         *_cell_table(rows, kind),
-        "Files: `results.csv` (cells), `robustness.csv`, `results.png`, `cells/*.json` (records with curves), "
-        "`tb/` (TensorBoard runs).",
+        "Files: `results.csv` (cells), `robustness.csv`, `results.png`, "
+        + "".join(f"`{t.name}.csv`, `{t.name}.png`, " for t in kind.tables)
+        + "`cells/*.json` (records with curves), `tb/` (TensorBoard runs).",
         "",
     ]
     return "\n".join(lines)
 
 
+def render(out: Path, kind: Sweep, settings: dict[str, Any], commands: list[str], figures: bool = True,
+           setup: Optional[list[str]] = None) -> list[Row]:
+    """``robustness.csv``, ``results.md`` and (``figures``) every figure of ``out`` from its CSV files alone.
+
+    ``setup``: the data lines of the Setup section (default: from ``data.json``). Returns the rows.
+    """
+    rows = kind.read(out / "results.csv")  # the report rests on the CSV alone
+    tables = {t.name: read_table(t, out / f"{t.name}.csv") for t in kind.tables}
+    summaries = rb.robustness(rows, kind.score)
+    write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column, kind.score))
+    write_atomic(out / "results.md", _markdown(out, rows, kind, settings, commands, summaries, tables, setup))
+    if figures and rows:
+        kind.figure(rows, out / "results.png")
+        for table in kind.tables:
+            if tables[table.name]:
+                table.figure(tables[table.name], out / f"{table.name}.png")
+    return rows
+
+
 def write_outputs(out: Path, kind: Sweep, settings: dict[str, Any], command: str,
                   figure: bool = True) -> list[dict[str, Any]]:
-    """Rebuild ``results.csv``, ``robustness.csv``, ``results.md`` and (``figure``: when stale) ``results.png``.
+    """Rebuild ``results.csv``, the kind's tables, ``robustness.csv``, ``results.md`` and (``figure``: when
+    stale) the figures.
 
     Returns the cell records, in table order.
     """
     records = sorted(load_records(out), key=lambda r: row_key(kind.row(r)))
     write_atomic(out / "results.csv", csv_text(map(kind.row, records), kind.arm_column, kind.metric_columns,
-                                               kind.head_columns))
-    rows = read_csv(out / "results.csv", kind.arm_column, kind.metric_columns)  # the report rests on the CSV alone
-    summaries = rb.robustness(rows, kind.score)
-    write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column, kind.score))
+                                               kind.head_columns, kind.factor_columns))
+    for table in kind.tables:
+        write_atomic(out / f"{table.name}.csv", table_csv(table, records))
     commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    write_atomic(out / "results.md", _markdown(out, rows, kind, settings, commands or [command], summaries))
+    stale = False
     png = out / "results.png"
-    if figure and rows:  # the cells' files are looked at only when a figure may be drawn
+    if figure and records:  # the cells' files are looked at only when a figure may be drawn
         newest = max(((out / "cells" / f"{r['cell']}.json").stat().st_mtime for r in records), default=0.0)
-        if not png.exists() or png.stat().st_mtime < newest:
-            kind.figure(rows, png)
+        stale = not png.exists() or png.stat().st_mtime < newest
+    render(out, kind, settings, commands or [command], figures=stale)
     return records

@@ -31,20 +31,45 @@ from recipes.sweeps.kind import Sweep
 from recipes.sweeps.lock import OutLock
 from recipes.sweeps.records import load_records, write_atomic
 
-__all__ = ["main", "run"]
+__all__ = ["machine", "main", "run"]
 
 _FIGURE_EVERY_S = 120.0  # redrawing results.png after every cell would cost minutes over a sweep
 Cell = tuple[str, float, int, int]  # arm, lr, batch size, seed
 
 
+def _cpu_model() -> str:
+    """The CPU's model name and architecture, e.g. ``AMD EPYC (x86_64)``."""
+    import platform
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    name = name or platform.processor() or "unknown CPU"
+    return f"{name} ({platform.machine()})"
+
+
+def machine(accelerator: Optional[str] = "cpu") -> dict[str, Any]:
+    """What a cell runs on: ``device`` (``cpu`` or the GPU's name), ``cpu_model``, ``cpu_isa`` (the vector
+    instructions torch's CPU kernels use, e.g. ``AVX2``), ``threads`` (torch's intra-op threads)."""
+    import torch
+
+    gpu = accelerator not in ("cpu", None) and torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "cpu_model": _cpu_model(),
+            "cpu_isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
 def _work(args: argparse.Namespace, out: Path, cell: Cell) -> dict[str, Any]:
-    """Train one cell (in this process or a pool worker); its record with wall and CPU seconds."""
+    """Train one cell (in this process or a pool worker); its record with wall and CPU seconds and the machine."""
     run_cell = args.sweep.load("runner")  # torch, Lightning: only where a cell trains
     arm, lr, bs, seed = cell
     start, cpu = time.monotonic(), time.process_time()
     record = run_cell(args, out, args.sweep.cell_name(*cell), arm=arm, lr=lr, batch_size=bs, seed=seed)
     record["wall_s"] = round(time.monotonic() - start, 2)
     record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
+    record.update(machine(args.accelerator))  # the kernels round differently per CPU: a result says where it ran
     return record
 
 

@@ -9,6 +9,7 @@ writes what it logged to ``OUT.json``.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ from helpers.monitors import assert_state_round_trip, tensorboard_run
 from helpers.outliers import PLANTED, all_figure, planted_net, planted_reference
 from helpers.recording_logger import RecordingLogger, monitor_tag
 from lightning_mrs.callbacks import GradientHomogeneityMonitor, OutlierMonitor
-from lightning_mrs.callbacks.tb_layout import every_layer
+from lightning_mrs.callbacks.tb_layout import OUTLIER, every_layer
 from lightning_mrs.outlier_stats import FIGURE_NAMES
 
 BATCH, GLOBAL_BATCH, STEPS = 8, 8, 2
@@ -65,7 +66,7 @@ def test_figures_match_direct_float64(recording_logger: RecordingLogger, batchno
     assert f"z-layers/outlier/{head}.odd_norm/mrs_share" not in got and f"z-layers/outlier/{head}.norm/mrs_share" in got
     first = ref["net.1"]
     assert first["outlier_ratio"] > PLANTED / 4 and first["rms_share"] > first["mrs_share"] > 0.5
-    assert first["absmax"] > 256 and first["fp16_overflow_frac"] > 0
+    assert first["absmax"] > 256 and first["x2_over_fp16_frac"] > 0
 
 
 def test_a_transformers_llama_is_watched_by_its_own_norms() -> None:
@@ -195,13 +196,30 @@ def test_mixed_precision_figures_are_those_of_the_half_inputs(recording_logger: 
     for layer, row in ref.items():
         for figure, value in row.items():
             assert got[f"z-layers/outlier/{layer}/{figure}"] == {0: pytest.approx(value, rel=1e-5, abs=1e-7)}, (layer, figure)
-    assert got["z-layers/outlier/net.1/fp16_overflow_frac"][0] > 0
+    assert got["z-layers/outlier/net.1/x2_over_fp16_frac"][0] > 0
 
 
 def test_figures_and_per_layer_select_what_is_logged(recording_logger: RecordingLogger) -> None:
     fit(TinyModule(planted_net), steps=1, logger=recording_logger,
         callbacks=[OutlierMonitor(figures=["mrs_share", "absmax"], per_layer=False)])
     assert outlier_tags(recording_logger).keys() == {"outlier/all/absmax", "outlier/all/mrs_share"}
+
+
+def test_the_figure_of_0_2_0_under_its_old_name(recording_logger: RecordingLogger, tmp_path: Path) -> None:
+    """``fp16_overflow_frac`` (0.2.0) is ``x2_over_fp16_frac`` now: the old name is taken with a warning and
+    logged under the new tag, and the dashboard's chart matches both tags, so old and new runs share it."""
+    with pytest.warns(FutureWarning, match=r"\['fp16_overflow_frac'\] are now called \['x2_over_fp16_frac'\]"):
+        monitor = OutlierMonitor(figures=["fp16_overflow_frac", "absmax"], per_layer=False)
+    assert monitor.figures == ("absmax", "x2_over_fp16_frac")
+    fit(TinyModule(planted_net), steps=1, logger=recording_logger, callbacks=[monitor])
+    assert outlier_tags(recording_logger).keys() == {"outlier/all/absmax", "outlier/all/x2_over_fp16_frac"}
+    charts = OUTLIER.layout([])[OUTLIER.category]
+    (_, chart), = [value for title, value in charts.items() if title.startswith("x2_over_fp16_frac")]
+    assert [any(re.match(p, tag) for p in chart) for tag in ("outlier/all/x2_over_fp16_frac",
+            "outlier/all/fp16_overflow_frac", "z-layers/outlier/net.1/fp16_overflow_frac")] == [True, True, True]
+    tb = TensorBoardLogger(tmp_path, name="tb")
+    fit(TinyModule(planted_net), steps=1, logger=tb, callbacks=[OutlierMonitor(per_layer=False)])
+    assert set(chart) <= set(tensorboard_run(tb.log_dir)[1][OUTLIER.category])  # the layout the run wrote
 
 
 def test_include_selects_layers(recording_logger: RecordingLogger) -> None:
@@ -298,7 +316,7 @@ def test_state_dict_round_trip() -> None:
     assert_state_round_trip(monitor, OutlierMonitor(), {"n_logs": 3, "batches": 3})
 
 
-VALID = r"\['absmax', 'rms_share', 'mrs_share', 'outlier_ratio', 'fp16_overflow_frac', 'kurtosis', 'nonfinite'\]"
+VALID = r"\['absmax', 'rms_share', 'mrs_share', 'outlier_ratio', 'x2_over_fp16_frac', 'kurtosis', 'nonfinite'\]"
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -322,7 +340,7 @@ def run(devices: int, out: str = "") -> dict[str, dict[int, float]]:
 def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
     tags, single = ddp_matches_single_process(Path(__file__).resolve(), run, tmp_path / "rank0.json", "outlier/",
                                               STEPS, rel=1e-5, abs=1e-7)
-    assert {"z-layers/outlier/net.1/outlier_ratio", "z-layers/outlier/net.4.norm/kurtosis", "outlier/all/fp16_overflow_frac"} <= tags
+    assert {"z-layers/outlier/net.1/outlier_ratio", "z-layers/outlier/net.4.norm/kurtosis", "outlier/all/x2_over_fp16_frac"} <= tags
     assert all(math.isfinite(value) for tag in tags for value in single[tag].values())
 
 

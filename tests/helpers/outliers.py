@@ -41,7 +41,7 @@ def outlier_ref(x: Tensor, channel_dim: int = -1) -> dict[str, float]:
         "absmax": a.max().item(),
         "rms_share": rms.max().item(),
         "outlier_ratio": min(ratio.max().item(), CAP),
-        "fp16_overflow_frac": overflow / tokens.numel(),
+        "x2_over_fp16_frac": overflow / tokens.numel(),
         "nonfinite": float(nonfinite),
     }
     if c % 2 == 0:

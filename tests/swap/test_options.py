@@ -21,7 +21,8 @@ def _net() -> nn.Sequential:
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer'], or None to keep "
+        (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer', 'rms-half', "
+                               "'mrs-half'], or None to keep "
                                "the body's norms."),
         (dict(target=None, qk_norm=True), "qk_norm=True asks for QK-norms of the target's kind, but target=None; name "
                                           "the kind instead, e.g. qk_norm='mrs'"),
@@ -29,7 +30,7 @@ def _net() -> nn.Sequential:
           for qk in ("batch", "MRS", 1)],
         (dict(spatial="yes"), "spatial='yes' is not valid; choose one of ['auto', True, False]"),
         (dict(spatial=1), "spatial=1 is not valid; choose one of ['auto', True, False]"),
-        (dict(init="zeros"), "init='zeros' is not valid; choose one of ['inherit', 'ones']"),
+        (dict(init="zeros"), "init='zeros' is not valid; choose one of ['inherit', 'ones', 'calibrate']"),
         *[(dict(eps=eps), f"eps={eps!r} is not valid; choose None (keep each layer's eps) or a finite float > 0")
           for eps in (0.0, -1e-5, True, "1e-5", math.nan, math.inf)],
     ],

@@ -11,6 +11,11 @@ combines its k comparisons so that a false verdict either way has at most a 5 % 
 * inconclusive: otherwise (also when a cell is missing, an arm was not swept, or has fewer
   than two seeds).
 
+An inconclusive comparison with an interval also says how many seeds per arm would resolve it
+(:attr:`Outcome.seeds`): the difference and spreads it observed taken as true, the seeds at which
+its own test (the same interval, 95 %) excludes the threshold with 80 % probability
+(:func:`~recipes.sweeps.claims.stats.welch_seeds` and its siblings).
+
 The sweep kinds (:mod:`recipes.sweeps.norm`, :mod:`recipes.sweeps.qk`) build their claims from
 :func:`arm_values`, :func:`welch_comparison`, :func:`single` and :func:`ratio`. Needs no torch.
 """
@@ -21,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from recipes.sweeps.claims.stats import (MIN_SEEDS, Interval, Side, Verdict, mean_interval, mean_sd,
-                                         variance_ratio_interval, verdict, welch_interval)
+from recipes.sweeps.claims.stats import (MIN_SEEDS, Interval, Side, Verdict, mean_interval, mean_sd, mean_seeds,
+                                         ratio_seeds, variance_ratio_interval, verdict, welch_interval, welch_seeds)
 from recipes.sweeps.records import Row, select
 
 __all__ = ["LEVEL", "Claim", "Comparison", "Outcome", "Values", "arm_values", "describe", "evaluate", "missing",
@@ -45,6 +50,10 @@ class Comparison:
     reason: Optional[str] = None  # why not computable
     unit: str = "pt"  # display: "pt"/"%" (x100), "" (as is), "x" (a ratio)
     optional: bool = False  # not measurable (not missing): left out of the combination
+    seeds_needed: Callable[[float], Optional[float]] = lambda level: None  # level -> seeds per arm to resolve it
+    sds: tuple[float, ...] = ()  # the per-seed spreads of its arms (sd), for the seeds-needed line
+    ran: int = 0  # the fewest seeds of its arms
+    value_unit: Optional[str] = None  # the per-seed values' display unit when not ``unit`` (a ratio of variances)
 
 
 @dataclass
@@ -56,6 +65,9 @@ class Outcome:
     verdict: Verdict
     strict_verdict: Verdict  # at the Bonferroni level
     excluded: bool = False
+    #: inconclusive with an interval: the seeds per arm that would resolve it at 80 % power (``inf``: more
+    #: than :data:`~recipes.sweeps.claims.stats.MAX_SEEDS`), ``None`` when no number would (module docstring)
+    seeds: Optional[float] = None
 
 
 @dataclass
@@ -130,14 +142,20 @@ def welch_comparison(label: str, a: tuple[str, Values], b: tuple[str, Values], s
     numbers = f"{describe(name_a, va, unit)}; {factor}{describe(name_b, vb, unit)}"
     why = _reason(why_a, why_b)
     return Comparison(label, numbers, side, threshold, lambda lv: None if why else welch_interval(va, vb, lv, scale),
-                      why, unit, optional)
+                      why, unit, optional, lambda lv: welch_seeds(va, vb, threshold, lv, scale), _sds(va, vb),
+                      min(len(va), len(vb)))
+
+
+def _sds(*values: list[float]) -> tuple[float, ...]:
+    return tuple(mean_sd(v)[1] for v in values)
 
 
 def single(label: str, a: tuple[str, Values], side: Side, threshold: float, unit: str) -> Comparison:
     """Student's t interval of ``mean(a)`` against ``threshold``."""
     name, (va, why) = a
     return Comparison(label, describe(name, va, unit), side, threshold,
-                      lambda lv: None if why else mean_interval(va, lv), why, unit)
+                      lambda lv: None if why else mean_interval(va, lv), why, unit,
+                      seeds_needed=lambda lv: mean_seeds(va, threshold, lv), sds=_sds(va), ran=len(va))
 
 
 def ratio(label: str, a: tuple[str, Values], b: tuple[str, Values]) -> Comparison:
@@ -146,7 +164,8 @@ def ratio(label: str, a: tuple[str, Values], b: tuple[str, Values]) -> Compariso
     numbers = f"{describe(name_a, va, 'pt')}; {describe(name_b, vb, 'pt')}"
     why = _reason(why_a, why_b)
     return Comparison(label, numbers, "above", 1.0, lambda lv: None if why else variance_ratio_interval(va, vb, lv),
-                      why, "x")
+                      why, "x", seeds_needed=lambda lv: ratio_seeds(va, vb, lv), sds=_sds(va, vb),
+                      ran=min(len(va), len(vb)), value_unit="pt")
 
 
 def _absent(why: str) -> bool:
@@ -166,7 +185,9 @@ def _outcome(comp: Comparison, strict_level: float) -> Outcome:
     iv = comp.interval(LEVEL)
     strict = comp.interval(strict_level)
     assert iv is not None and strict is not None  # a comparison without a reason has an interval
-    return Outcome(comp, iv, verdict(iv, comp.threshold, comp.side), verdict(strict, comp.threshold, comp.side))
+    decided = verdict(iv, comp.threshold, comp.side)
+    seeds = comp.seeds_needed(LEVEL) if decided == "inconclusive" else None
+    return Outcome(comp, iv, decided, verdict(strict, comp.threshold, comp.side), seeds=seeds)
 
 
 def evaluate(claim: Claim) -> Claim:

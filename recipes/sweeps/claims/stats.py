@@ -24,15 +24,19 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from scipy import stats as _scipy_stats
 
-__all__ = ["MIN_SEEDS", "Interval", "Side", "Verdict", "mean_interval", "mean_sd", "variance_ratio_interval",
-           "verdict", "welch_interval"]
+__all__ = ["MAX_SEEDS", "MIN_SEEDS", "POWER", "Interval", "Side", "Verdict", "mean_interval", "mean_sd", "mean_seeds",
+           "ratio_seeds", "variance_ratio_interval", "verdict", "welch_interval", "welch_seeds"]
 
 #: the fewest seeds per arm that give a spread, hence an interval
 MIN_SEEDS = 2
+#: the power a seeds-needed estimate plans for: the chance that the interval then excludes the threshold
+POWER = 0.8
+#: seeds-needed estimates stop here (``math.inf``: more than this many per arm)
+MAX_SEEDS = 1_000_000
 
 Side = Literal["above", "below"]
 Verdict = Literal["supported", "contradicted", "inconclusive"]
@@ -119,3 +123,78 @@ def verdict(interval: Interval, threshold: float, side: Side) -> Verdict:
     if (side == "above" and below) or (side == "below" and above):
         return "contradicted"
     return "inconclusive"
+
+
+# ----------------------------------------------------------------------------- seeds to resolve
+def _smallest(power_at: Callable[[int], float], power: float) -> float:
+    """The smallest n >= 2 with ``power_at(n) >= power`` (power grows with n), ``inf`` past :data:`MAX_SEEDS`."""
+    high = MIN_SEEDS
+    while power_at(high) < power:
+        if high >= MAX_SEEDS:
+            return math.inf
+        high = min(2 * high, MAX_SEEDS)
+    low = max(MIN_SEEDS, high // 2)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if power_at(mid) < power else (low, mid)
+    return float(high)
+
+
+def _t_power(distance: float, sd: float, df: float, level: float) -> float:
+    """P(a t interval of half-width t * sd excludes a threshold ``distance`` away from the mean), ``sd``: its SE."""
+    ncp = distance / sd
+    crit = _t(level, df)
+    return float(_scipy_stats.nct.sf(crit, df, ncp) + _scipy_stats.nct.cdf(-crit, df, ncp))
+
+
+def welch_seeds(a: Sequence[float], b: Sequence[float], threshold: float, level: float = 0.95, scale: float = 1.0,
+                power: float = POWER) -> Optional[float]:
+    """Seeds per arm for Welch's interval of ``mean(a) - scale * mean(b)`` to exclude ``threshold`` with
+    probability ``power``, if the true difference and spreads were the observed ones (noncentral t).
+
+    ``None`` when no number of seeds would: the estimate sits on the threshold, or there is no spread
+    (a zero-width interval decides at once) or fewer than two values on a side.
+    """
+    if len(a) < MIN_SEEDS or len(b) < MIN_SEEDS:
+        return None
+    (mean_a, sd_a, _), (mean_b, sd_b, _) = mean_sd(a), mean_sd(b)
+    var = sd_a**2 + (scale * sd_b) ** 2  # n x the squared SE with n seeds per arm
+    distance = abs(mean_a - scale * mean_b - threshold)
+    if distance == 0 or var == 0:
+        return None
+    quartic = sd_a**4 + (scale * sd_b) ** 4
+
+    def power_at(n: int) -> float:
+        return _t_power(distance, math.sqrt(var / n), (n - 1) * var**2 / quartic, level)
+
+    return _smallest(power_at, power)
+
+
+def mean_seeds(values: Sequence[float], threshold: float, level: float = 0.95, power: float = POWER) -> Optional[float]:
+    """Seeds for Student's t interval of the mean to exclude ``threshold`` with probability ``power``
+    (the observed mean and spread taken as true); ``None`` as :func:`welch_seeds`."""
+    if len(values) < MIN_SEEDS:
+        return None
+    mean, sd, _ = mean_sd(values)
+    distance = abs(mean - threshold)
+    if distance == 0 or sd == 0:
+        return None
+    return _smallest(lambda n: _t_power(distance, sd / math.sqrt(n), n - 1, level), power)
+
+
+def ratio_seeds(a: Sequence[float], b: Sequence[float], level: float = 0.95, power: float = POWER) -> Optional[float]:
+    """Seeds per arm for the F interval of ``var(a) / var(b)`` to exclude 1 with probability ``power``
+    (the observed ratio taken as true); ``None`` when the ratio is 1, 0, infinite or undefined."""
+    if len(a) < MIN_SEEDS or len(b) < MIN_SEEDS:
+        return None
+    (_, sd_a, _), (_, sd_b, _) = mean_sd(a), mean_sd(b)
+    if sd_a == 0 or sd_b == 0 or sd_a == sd_b:
+        return None
+    ratio, alpha = sd_a**2 / sd_b**2, 1 - level
+
+    def power_at(n: int) -> float:
+        f = _scipy_stats.f(n - 1, n - 1)  # the observed ratio / the true one
+        # excluded above 1: ratio * F / f(1 - alpha/2) > 1; below: ratio * F / f(alpha/2) < 1
+        return float(f.sf(f.ppf(1 - alpha / 2) / ratio) + f.cdf(f.ppf(alpha / 2) / ratio))
+
+    return _smallest(power_at, power)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
+import numpy as np
 import pytest
 from scipy import stats
 
 from recipes.sweeps.cell import counted_top1
 from recipes.sweeps.claims import engine as sc
-from recipes.sweeps.claims.markdown import markdown
-from recipes.sweeps.claims.stats import Interval, mean_interval, variance_ratio_interval, verdict, welch_interval
+from recipes.sweeps.claims.markdown import markdown, seeds_line, show_seeds
+from recipes.sweeps.claims.stats import (POWER, Interval, mean_interval, mean_sd, mean_seeds, ratio_seeds,
+                                         variance_ratio_interval, verdict, welch_interval, welch_seeds)
 from recipes.sweeps.norm import NORM, claims
 from recipes.sweeps.records import Row
 from recipes.sweeps.robustness import robustness
@@ -188,3 +190,72 @@ def test_claims_section_states_the_rule_and_every_claim() -> None:
         assert f"### Claim {key}:" in text
     assert "δ = 1 point" in text and "Bonferroni" in text
     assert "| lr 0.4, batch 128: rms | rms 10.00 ± 0.00 % (n=3) | 10.00 [10.00, 10.00] % | < 19.00 % |" in text
+
+
+# ----------------------------------------------------------------------------- seeds needed
+def _simulated_power(draw: Callable[[np.random.Generator, int], bool], n: int, runs: int = 1500) -> float:
+    rng = np.random.default_rng(0)
+    return sum(draw(rng, n) for _ in range(runs)) / runs
+
+
+def _excludes(iv: Interval, threshold: float) -> bool:
+    return iv.low > threshold or iv.high < threshold
+
+
+@pytest.mark.parametrize("a,b,threshold", [([0.0, 0.11, -0.11, 0.05], [0.025, 0.136, -0.085, 0.075], 0.0),
+                                           ([3.0, 3.4, 2.9], [3.5, 3.1, 3.3, 3.2], 0.03)])
+def test_welch_seeds_give_the_stated_power_by_simulation(a: list[float], b: list[float], threshold: float) -> None:
+    """At the seeds per arm welch_seeds names, Welch's interval of samples drawn with the observed means and sds
+    excludes the threshold in about 80 % of draws (noncentral t, checked against a simulation)."""
+    n = int(welch_seeds(a, b, threshold))
+    (ma, sa, _), (mb, sb, _) = mean_sd(a), mean_sd(b)
+
+    def draw(rng: np.random.Generator, k: int) -> bool:
+        return _excludes(welch_interval(rng.normal(ma, sa, k).tolist(), rng.normal(mb, sb, k).tolist()), threshold)
+
+    assert _simulated_power(draw, n) == pytest.approx(POWER, abs=0.04)
+    assert _simulated_power(draw, max(2, n // 2)) < POWER - 0.1  # and half of it is clearly too few
+
+
+def test_mean_and_ratio_seeds_by_simulation_and_the_normal_formula() -> None:
+    values = [0.1, 0.2, 0.0, 0.15]
+    n = int(mean_seeds(values, 0.0))
+    mean, sd, _ = mean_sd(values)
+    power = _simulated_power(lambda rng, k: _excludes(mean_interval(rng.normal(mean, sd, k).tolist()), 0.0), n)
+    assert power == pytest.approx(POWER, abs=0.04)
+    big = mean_seeds([0.0, 1.0, 0.5], 0.5 - 0.05)  # far from the threshold in sds: the normal formula
+    normal = ((stats.norm.ppf(0.975) + stats.norm.ppf(POWER)) * 0.5 / 0.05) ** 2
+    assert normal <= big <= normal + 5
+    a, b = [1.0, 2.0, 3.0, 4.0], [1.0, 1.5, 2.0, 2.5]  # variance ratio 4
+    n = int(ratio_seeds(a, b))
+    ratio_power = _simulated_power(lambda rng, k: _excludes(variance_ratio_interval(
+        rng.normal(0, 2, k).tolist(), rng.normal(0, 1, k).tolist()), 1.0), n, runs=1000)
+    assert ratio_power == pytest.approx(POWER, abs=0.05)
+
+
+def test_no_number_of_seeds_resolves_a_difference_on_the_threshold_or_without_spread() -> None:
+    assert welch_seeds([1.0, 2.0], [1.0, 2.0], 0.0) is None  # on the threshold
+    assert welch_seeds([1.0, 1.0], [0.0, 0.0], 0.0) is None  # no spread: the interval [1, 1] decides already
+    assert welch_seeds([1.0], [0.0, 1.0], 0.0) is None and mean_seeds([0.3, 0.3], 0.0) is None
+    assert ratio_seeds([1.0, 2.0], [3.0, 4.0]) is None  # equal variances
+    assert math.isinf(welch_seeds([0.0, 1.0], [0.0, 1.0 + 1e-7], 0.0))  # beyond MAX_SEEDS
+
+
+def test_seeds_needed_in_the_report() -> None:
+    """Every inconclusive comparison gets a line under the verdict table and a number in its row."""
+    rows = _table(lambda n, lr, bs, s: (None if n in ("layer", "rms") and lr >= 0.3 else
+                                        (0.95, 0.97, 0.96)[s] if n == "mrs" else GOOD[s]))
+    text = "\n".join(claims_section(rows))
+    assert "**Seeds needed.**" in text and "80 % power" in text
+    claim = _verdicts(rows)["1"]
+    (_, matches), _ = claim.outcomes
+    open_ = [o for o in matches if o.verdict == "inconclusive"]
+    assert open_ and all(o.seeds is not None for o in open_)
+    line = seeds_line("1", open_[0])
+    assert line.startswith("1 batch 32: mrs - layer: ") and f"about {show_seeds(open_[0].seeds)} seeds per arm" in line
+    assert f"- {line}" in text and f"| {show_seeds(open_[0].seeds)} |" in text
+    assert "- 2: " not in text  # claim 2 is decided: nothing to plan for
+    one = "\n".join(claims_section(_table(_paper_like, seeds=(0,))))
+    assert "- 1: 7 comparisons without an interval, so no spread to plan from (too few seeds: " in one
+    assert (show_seeds(7.0), show_seeds(216.0), show_seeds(2449.0), show_seeds(math.inf)) == (
+        "7", "220", "2,400", "more than 1,000,000")

@@ -90,7 +90,13 @@ def test_a_kind_defined_in_a_test_runs_end_to_end(tmp_path: Path, capsys: pytest
     raw = results_rows(out)
     assert list(raw[0]) == ["schedule", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps",
                             "planned_steps", "best_top1", "final_top1", "final_val_loss", "final_train_loss",
-                            "diverged", "divergence_step", "mean_train_loss", "wall_s", "cpu_s", "tb_run"]
+                            "diverged", "divergence_step", "mean_train_loss", "wall_s", "cpu_s", "device", "cpu_model",
+                            "cpu_isa", "threads", "tb_run"]
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert {(r["device"], r["cpu_isa"], r["threads"]) for r in raw} == {("cpu", isa, str(torch.get_num_threads()))}
+    assert raw[0]["cpu_model"].endswith(")") and raw[0]["cpu_model"] != "unknown CPU ()"
     assert sorted((r["schedule"], r["seed"]) for r in raw) == [("constant", "0"), ("constant", "1"),
                                                                ("cosine", "0"), ("cosine", "1")]
     rows = read_csv(out / "results.csv", "schedule", ("mean_train_loss",))
@@ -101,6 +107,8 @@ def test_a_kind_defined_in_a_test_runs_end_to_end(tmp_path: Path, capsys: pytest
         assert record["mean_train_loss"] == pytest.approx(r.metrics["mean_train_loss"], rel=1e-5)
     md = (out / "results.md").read_text()
     assert md.startswith("# Schedule sweep (synthetic)") and "Test rule." in md
+    assert f"- machine: {raw[0]['cpu_model']} (vector ISA: torch's CPU capability {isa}), " \
+           f"{torch.get_num_threads()} thread(s) per cell: 4 cells" in md
     assert "| S: a constant lr lowers the mean training loss |" in md and "constant - cosine" in md
     assert "| lr | batch | schedule | seeds | final top-1 | best top-1 | divergence | mean train loss |" in md
     assert (out / "robustness.csv").read_text().startswith("schedule,batch_size,")

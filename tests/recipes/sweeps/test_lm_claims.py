@@ -14,13 +14,15 @@ from typing import Any, Callable, Optional
 import pytest
 
 from recipes.sweeps.claims import engine as sc
-from recipes.sweeps.lm import HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, SCALE_FLOOR, claims, split_arm
+from recipes.sweeps.claims.markdown import seeds_line
+from recipes.sweeps.lm import HIGH_LR_MIN, LARGE_SHARE, LM, MARGIN_BPB, SCALE_FLOOR, claims, factors, split_arm
 from recipes.sweeps.lmqk import claims as qk_claims
 from recipes.sweeps.records import Row
 from recipes.sweeps.robustness import robustness
 from recipes.sweeps.score import BPB, DIVERGED_BPB
 
 LRS = (0.001, 0.01, 0.1, 1.0)
+HALF = ("rms-half", "mrs-half")
 C = 32
 # the final bpb of a norm that breaks at high lrs, and of one that stays near its best
 STEEP = {0.001: 3.0, 0.01: 2.5, 0.1: 4.0, 1.0: 6.0}
@@ -31,27 +33,28 @@ Fn = Callable[[str, str, float, int], Any]
 
 def _world(bpb: Optional[Fn] = None, diverges: Optional[Fn] = None, shares: Optional[Fn] = None,
            grad: Optional[Fn] = None, scale: Optional[Fn] = None, seeds: tuple[int, ...] = (0, 1, 2)) -> list[Row]:
-    """The default world supports P1-P5: RMSNorm diverges in fp16 at lr >= 0.1, has large shares, uneven
-    gradients and a steep bpb curve; MRSNorm matches its best bpb and stays flat."""
-    bpb = bpb or (lambda n, p, lr, s: (FLAT if n == "mrs" else STEEP)[lr] + 0.01 * s)
-    diverges = diverges or (lambda n, p, lr, s: n == "rms" and p == "fp16" and lr >= 0.1)
+    """The default world supports P1-P5 and P1h: RMSNorm diverges in fp16 at lr >= 0.1 (and so does the
+    half-internal RMSNorm in pure fp16), has large shares, uneven gradients and a steep bpb curve; MRSNorm
+    matches its best bpb and stays flat."""
+    bpb = bpb or (lambda n, p, lr, s: (FLAT if n.startswith("mrs") else STEEP)[lr] + 0.01 * s)
+    diverges = diverges or (lambda n, p, lr, s: n.startswith("rms") and p.startswith("fp16") and lr >= 0.1)
     shares = shares or (lambda n, p, lr, s: (0.5 + 0.01 * s, 0.2 + 0.01 * s))  # rms_share, mrs_share
     grad = grad or (lambda n, p, lr, s: (0.2 + 0.01 * s, 0.01 * s) if n == "mrs" else (0.5 + 0.02 * s, 0.1 + 0.01 * s))
     scale = scale or (lambda n, p, lr, s: 65536.0 if p == "fp16" else None)
     rows = []
-    for norm in ("rms", "mrs", "layer"):
-        for precision in ("bf16", "fp16"):
-            for lr in LRS:
-                for seed in seeds:
-                    dead = bool(diverges(norm, precision, lr, seed))
-                    rms_share, mrs_share = shares(norm, precision, lr, seed)
-                    cv, starved = grad(norm, precision, lr, seed)
-                    rows.append(Row(f"{norm}-{precision}", lr, 16, seed, planned_steps=100, diverged=dead,
-                                    divergence_step=int(5 / lr) if dead else None, metrics={
-                                        "final_bpb": DIVERGED_BPB if dead else bpb(norm, precision, lr, seed),
-                                        "max_rms_share": rms_share, "max_mrs_share": mrs_share, "channels": C,
-                                        "mean_grad_cv": cv, "mean_starved_frac": starved,
-                                        "scaler_final_scale": scale(norm, precision, lr, seed)}))
+    arms = [(n, p) for n in ("rms", "mrs", "layer") for p in ("bf16", "fp16")] + [(n, "fp16-true") for n in HALF]
+    for norm, precision in arms:
+        for lr in LRS:
+            for seed in seeds:
+                dead = bool(diverges(norm, precision, lr, seed))
+                rms_share, mrs_share = shares(norm, precision, lr, seed)
+                cv, starved = grad(norm, precision, lr, seed)
+                rows.append(Row(f"{norm}-{precision}", lr, 16, seed, planned_steps=100, diverged=dead,
+                                divergence_step=int(5 / lr) if dead else None, metrics={
+                                    "final_bpb": DIVERGED_BPB if dead else bpb(norm, precision, lr, seed),
+                                    "max_rms_share": rms_share, "max_mrs_share": mrs_share, "channels": C,
+                                    "mean_grad_cv": cv, "mean_starved_frac": starved,
+                                    "scaler_final_scale": scale(norm, precision, lr, seed)}))
     return rows
 
 
@@ -64,7 +67,7 @@ def _claim(rows: list[Row], key: str) -> sc.Claim:
 
 
 def test_the_default_world_supports_every_claim() -> None:
-    assert _verdicts(_world()) == {k: "supported" for k in ("P1", "P2", "P3", "P4", "P5")}
+    assert _verdicts(_world()) == {k: "supported" for k in ("P1", "P1h", "P2", "P3", "P4", "P5")}
     assert (HIGH_LR_MIN, LARGE_SHARE, SCALE_FLOOR) == (0.01, 10.0, 1.0)  # the definitions the report states
 
 
@@ -161,12 +164,42 @@ def test_p5_verdicts(offset: Callable[[int], float], verdict: str) -> None:
 
 
 def test_a_missing_arm_leaves_its_claims_inconclusive() -> None:
-    rows = [r for r in _world() if split_arm(r.arm)[0] != "mrs"]
+    rows = [r for r in _world() if not split_arm(r.arm)[0].startswith("mrs")]
     # P2 rests on the RMSNorm runs alone (both shares of their inputs)
-    assert _verdicts(rows) == {"P1": "inconclusive", "P2": "supported", "P3": "inconclusive", "P4": "inconclusive",
-                               "P5": "inconclusive"}
+    assert _verdicts(rows) == {"P1": "inconclusive", "P1h": "inconclusive", "P2": "supported", "P3": "inconclusive",
+                               "P4": "inconclusive", "P5": "inconclusive"}
     assert "mrs-fp16 was not in this sweep" in str([o.comparison.reason for _, g in _claim(rows, "P1").outcomes
                                                     for o in g])
+
+
+def test_p1h_compares_the_half_internal_norms_in_pure_fp16() -> None:
+    claim = _claim(_world(), "P1h")
+    (_, rate), (_, steps) = claim.outcomes
+    assert rate[0].comparison.label == "batch 16: rms-half-fp16-true - mrs-half-fp16-true"
+    assert rate[0].interval.estimate == pytest.approx(2 / 3) and claim.verdict == "supported"
+    # P1 (as shipped) does not look at them: the same world with only the pure-fp16 cells changed
+    quiet = _world(diverges=lambda n, p, lr, s: n == "rms" and p == "fp16" and lr >= 0.1)
+    assert _claim(quiet, "P1").verdict == "supported" and _claim(quiet, "P1h").verdict == "inconclusive"
+
+
+def test_p1h_when_pure_fp16_fails_for_every_norm() -> None:
+    """AdamW in float16 (eps rounds to 0) breaks every pure-fp16 run at step 1, whatever the norm: the same failure
+    share for both, an interval [0, 0] on the threshold, and no number of seeds that would resolve it."""
+    rows = _world(diverges=lambda n, p, lr, s: p == "fp16-true" or (n == "rms" and p == "fp16" and lr >= 0.1))
+    claim = _claim(rows, "P1h")
+    (_, rate), (_, steps) = claim.outcomes
+    assert claim.verdict == "inconclusive" and rate[0].interval.estimate == 0 and rate[0].seeds is None
+    assert seeds_line("P1h", rate[0]).endswith("no number of seeds resolves it (the estimate sits on the threshold).")
+    assert _claim(rows, "P1").verdict == "supported"
+
+
+def test_arms_split_into_tidy_columns() -> None:
+    assert split_arm("rms-half-fp16-true") == ("rms-half", "fp16-true") and split_arm("mrs-fp16") == ("mrs", "fp16")
+    assert factors({"arm": "mrs-half-fp16-true"}) == {"norm": "mrs-half", "precision": "16-true"}
+    assert {factors({"arm": a})["precision"] for a in LM.arms} == {"16-mixed", "bf16-mixed", "16-true", "32-true"}
+    row = LM.row({"arm": "rms-bf16", "lr": "0.1", "batch_size": "16", "seed": "0", "max_fp16_overflow_frac": "0.25"})
+    assert row.factors == {"norm": "rms", "precision": "bf16-mixed"}
+    assert row.metrics["max_x2_over_fp16_frac"] == 0.25  # a record written before the rename
 
 
 # ----------------------------------------------------------------------------- lm-qk

@@ -4,6 +4,7 @@ divergence and loss-scaler bookkeeping of a cell made to overflow on purpose."""
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,8 @@ from helpers.tensorboard import event_scalars, session_start
 from recipes.stress import parse_args
 from recipes.sweeps.lm import HEAD, LM, METRICS
 from recipes.sweeps.lmqk import LM_QK, figure as qk_figure
+from recipes.sweeps.mechanism import MAGNITUDES, MECHANISM_LR
+from recipes.sweeps.rebuild import rebuild
 from recipes.sweeps.records import read_csv
 from recipes.sweeps.runner import run
 from recipes.sweeps.score import DIVERGED_BPB
@@ -39,19 +42,29 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                     error_line: Callable[[int, str], str]) -> None:
     out = tmp_path / "lm"
-    argv = ["--sweep", "lm", "--lm-arms", "rms-fp16", "mrs-bf16", "mrs-fp32", *TINY, "--out", str(out)]
+    argv = ["--sweep", "lm", "--lm-arms", "rms-fp16", "mrs-bf16", "mrs-fp32", "rms-half-fp16-true", *TINY, "--out",
+            str(out)]
     assert run(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert "3 to run (1 at a time)" in printed and "scaler skipped 0" in printed and "final val bpb" in printed
+    assert "4 to run (1 at a time)" in printed and "scaler skipped 0" in printed and "final val bpb" in printed
     raw = results_rows(out)
-    assert list(raw[0]) == ["arm", *HEAD, *METRICS, "wall_s", "cpu_s", "tb_run"]
-    by_arm = {r["arm"]: r for r in raw}
-    assert by_arm.keys() == {"rms-fp16", "mrs-bf16", "mrs-fp32"}
+    assert list(raw[0]) == ["arm", "norm", "precision", *HEAD, *METRICS, "wall_s", "cpu_s", "device", "cpu_model",
+                            "cpu_isa", "threads", "tb_run"]
+    by_arm = {r.pop("arm"): r for r in raw}
+    assert by_arm.keys() == {"rms-fp16", "mrs-bf16", "mrs-fp32", "rms-half-fp16-true"}
+    # pure fp16: AdamW's eps rounds to 0 in float16, the first update is NaN (0/0) and the loss turns non-finite
+    half = by_arm.pop("rms-half-fp16-true")
+    assert (half["norm"], half["precision"], half["diverged"], half["divergence_step"]) == ("rms-half", "16-true", "1",
+                                                                                           "2")
+    cell = json.loads((out / "cells" / "lm-rms-half-fp16-true_lr0.01_bs16_seed0.json").read_text())
+    assert cell["precision"] == "16-true" and float(half["final_bpb"]) == DIVERGED_BPB
     for arm, r in by_arm.items():
+        assert (r["norm"], r["precision"]) == (arm.split("-")[0], {"fp16": "16-mixed", "bf16": "bf16-mixed",
+                                                                   "fp32": "32-true"}[arm.split("-")[1]])
         assert r["steps"] == "4" and r["diverged"] == "0" and r["dataset"] == "stdlib"
         assert 0 < float(r["best_bpb"]) <= float(r["final_bpb"]) + 1e-9 < DIVERGED_BPB  # 1 validation at the end here
         assert 0 < float(r["max_rms_share"]) <= 1 and 0 < float(r["max_mrs_share"]) <= 1 and r["channels"] == "16"
-        assert float(r["max_absmax"]) > 0 and 0 <= float(r["max_fp16_overflow_frac"]) <= 1
+        assert float(r["max_absmax"]) > 0 and 0 <= float(r["max_x2_over_fp16_frac"]) <= 1
         assert math.isfinite(float(r["mean_grad_cv"])) and 0 <= float(r["mean_starved_frac"]) <= 1
         assert float(r["max_logit"]) > 0  # the Llama's attention, exposed for the AttentionMonitor
         record = json.loads((out / "cells" / f"lm-{arm}_lr0.01_bs16_seed0.json").read_text())
@@ -68,12 +81,28 @@ def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: P
     md = (out / "results.md").read_text()
     assert md.startswith("# Language-model norm stress sweep (stdlib)") and "- data: stdlib of Python" in md
     assert "| lr | batch | arm | seeds | final val bpb | best val bpb | divergence | skipped |" in md
-    assert md.count("| inconclusive |") == 5 and "P1: Numerical explosion" in md and "counts as 8 bpb" in md
+    assert md.count("| inconclusive |") == 7 and "P1: Numerical explosion" in md and "counts as 8 bpb" in md
+    assert "P1h: Numerical explosion as the paper states it" in md and "**Seeds needed.**" in md
+    assert "- P1: 2 comparisons without an interval, so no spread to plan from" in md
+    # the mechanism stress of the fp32 model at lr 0.01: its arms, 13 magnitudes, its section and figure
+    mechanism = [r for r in csv.DictReader(open(out / "mechanism.csv"))]
+    assert [(r["arm"], float(r["magnitude"])) for r in mechanism] == [(a, m) for a in ("mrs", "mrs-half")
+                                                                      for m in (0.0, *MAGNITUDES)]
+    assert {r["bad_frac"] for r in mechanism} == {"0"}  # MRSNorm, in float16 or not, never breaks up to 2^15
+    record = json.loads((out / "cells" / "lm-mrs-fp32_lr0.01_bs16_seed0.json").read_text())
+    assert float(mechanism[0]["val_bpb"]) == pytest.approx(record["final_bpb"], abs=0.02)  # fp16 vs fp32 inference
+    assert "## Mechanism stress (pure float16, a planted channel)" in md and "| M: Mechanism" in md
+    assert (out / "mechanism.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Learning-rate robustness" in md and "within 10 %" in md
     assert (out / "robustness.csv").read_text().startswith("arm,batch_size,n_lrs,lrs,complete,seeds,best_lr,best_bpb,")
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     settings = json.loads((out / "settings.json").read_text())
     assert settings["sweep"] == "lm" and settings["seq_len"] == LM.datasets["stdlib"]["seq_len"]
+
+    # the report rebuilt from the CSV files alone (recipes/sweeps/rebuild.py) is the report
+    rebuilt = rebuild("lm", out / "results.csv", out / "results.md", tmp_path / "rebuilt")
+    assert (rebuilt / "results.md").read_text() == md
+    assert (rebuilt / "results.csv").read_text() == (out / "results.csv").read_text()
 
     assert run(argv) == 0  # resume: nothing left
     assert "0 to run" in capsys.readouterr().out
@@ -139,4 +168,12 @@ def test_lm_defaults_and_refusals(capsys: pytest.CaptureFixture, error_line: Cal
 def test_fp32_reference_runs_at_the_ends_of_the_lr_axis() -> None:
     args = argparse.Namespace(lrs=[0.001, 0.01, 0.1, 1.0])
     kept = [lr for lr in args.lrs if LM.keep(("rms-fp32", lr, 16, 0), args)]
-    assert kept == [0.001, 1.0] and all(LM.keep(("rms-fp16", lr, 16, 0), args) for lr in args.lrs)
+    assert kept == [0.001, MECHANISM_LR, 1.0] and all(LM.keep(("rms-fp16", lr, 16, 0), args) for lr in args.lrs)
+
+
+def test_quick_has_the_half_arms_and_the_mechanism_models() -> None:
+    """The acceptance of issue 30: --sweep lm --quick runs the half-internal arms in pure fp16 beside the shipped
+    ones, and its fp32 models at the mechanism stress's lr."""
+    args = parse_args(["--sweep", "lm", "--quick"])
+    assert {"rms-half-fp16-true", "mrs-half-fp16-true", "rms-fp16-true", "mrs-fp16-true"} <= set(args.arms)
+    assert MECHANISM_LR in args.lrs and any(LM.keep((a, MECHANISM_LR, 16, 0), args) for a in ("rms-fp32", "mrs-fp32"))
