@@ -19,6 +19,11 @@ Usage::
     python benchmarks/bench_lm_step.py                # 9 rounds
     python benchmarks/bench_lm_step.py --quick        # 3 rounds, a minute or two
     python benchmarks/bench_lm_step.py --threads 1 --rounds 15 --json lm_step.json
+    python benchmarks/bench_lm_step.py --compile --batch 16 --rounds 5   # torch.compile(fullgraph=True)
+
+``--compile`` wraps each model's forward in ``torch.compile(model.forward, fullgraph=True)``
+(the loss is computed inside it; the backward is Inductor's too). The warm-up steps pay the
+compiles, so they are not timed; a graph break raises (``fullgraph``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model.forward, fullgraph=True)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 1
@@ -94,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variants:
         models[v], how[v] = build(v, args.layers, args.width, args.seq)
         opts[v] = torch.optim.AdamW(models[v].parameters(), lr=1e-3)
+        if args.compile:
+            models[v].forward = torch.compile(models[v].forward, fullgraph=True)
 
     def step(v: str) -> None:
         opts[v].zero_grad(set_to_none=True)
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))
-    print(f"Llama train step (AdamW): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
+    mode = "compiled (fullgraph)" if args.compile else "eager"
+    print(f"Llama train step (AdamW, {mode}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
           f"bytes; {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
     print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")

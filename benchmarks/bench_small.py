@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
@@ -86,15 +85,15 @@ def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dic
 
 def profile(inner: int) -> list[tuple[str, float]]:
     """Microseconds of the stages of one inference call on (1, 1, 2048), fastest of 7 rounds."""
-    op = importlib.import_module("lightning_mrs.ops.mrs_norm")
-    from lightning_mrs.ops import cpu_kernels, fast_path, function, layout
-    from lightning_mrs.ops.validation import check_inputs
+    from lightning_mrs.ops import cpu_kernels, dispatch, plan
 
     c = 2048
     m = MRSNorm(c)
     x = torch.randn(1, 1, c)
     w = m.weight.detach()
-    can = layout.canonical_of(x, 2, False)
+    rows = dispatch.plan_for(x, w, 1e-6, -1, False, "auto")
+    fused = dispatch.plan_for(x, w, 1e-6, -1, False, "cpp")  # the general plan of the same kernel
+    can = fused.canonical
     x3 = can.view(x)
     idle = nn.Identity()
     stages: dict[str, Callable[[], object]] = {
@@ -102,18 +101,19 @@ def profile(inner: int) -> list[tuple[str, float]]:
         "nn.LayerNorm module call (total)": (lambda ln=nn.LayerNorm(c): ln(x)),
         "  an empty nn.Module call": lambda: idle(x),
         "  module.weight (nn.Module __getattr__)": lambda: m.weight,
-        "  fast_path.try_rows (checks + kernel)": lambda: fast_path.try_rows(x, w, 1e-6, -1, False, "auto"),
-        "  cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
-        "  torch.empty_like (the output)": lambda: torch.empty_like(x),
-        "general path (total, backend='cpp')": lambda: op.normalize(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
-        "  check_inputs (validation)": lambda: check_inputs(x, w, 1e-6, -1, False, "mrs_norm"),
-        "  canonical_of (cached layout)": lambda: layout.canonical_of(x, 2, False),
-        "  _resolve (dispatch key + cache)": lambda: op._resolve(x, can, "cpp"),
-        "  MRSNormFunction.apply (all of it)": lambda: function.MRSNormFunction.apply(x, w, 1e-6, 2, False, "cpp", can),
+        "  dispatch.run (plan lookup + plan)": lambda: dispatch.run(x, w, 1e-6, -1, False, "auto", "mrs_norm"),
+        "    dispatch.plan_for (the key, the lookup)": lambda: dispatch.plan_for(x, w, 1e-6, -1, False, "auto"),
+        f"    the plan ({type(rows).__name__}: kernel + alloc)": lambda: rows(x, w, 1e-6),
+        "    cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
+        "    torch.empty_like (the output)": lambda: torch.empty_like(x),
+        "  a plan miss (checks, layout, backend choice)": lambda: dispatch._build(x, w, 1e-6, -1, False, "auto",
+                                                                                 "mrs_norm"),
+        "general plan (total, backend='cpp')": lambda: dispatch.run(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
+        "  FusedPlan.forward (view, kernel, restore)": lambda: fused.forward(x, w, 1e-6),
         "    canonical.view": lambda: can.view(x),
         "    cpp forward (backend interface)": lambda: cpu_kernels.forward(x3, w, 1e-6, can.layout),
         "    canonical.restore": lambda: can.restore(x3),
-        "    _fresh (a non-view output)": lambda: function._fresh(x3),
+        "    _fresh (a non-view output)": lambda: plan._fresh(x3),
     }
     out = []
     with torch.inference_mode():

@@ -217,7 +217,7 @@ def threads(numel: int) -> int:
     return max(1, min(torch.get_num_threads(), numel // MIN_NUMEL_PER_THREAD))
 
 
-# The row kernels are the op's fast path (lightning_mrs.ops.fast_path): on a token they take
+# The row kernels are the op's fast path (RowsPlan in lightning_mrs.ops.plan): on a token they take
 # about as long as the Python around them, so these two do nothing they need not do.
 def rows_forward(x: Tensor, w: Optional[Tensor], eps: float, groups: int, rows: int, channels: int,
                  with_rsum: bool = True) -> tuple[Tensor, Optional[Tensor]]:
