@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
     p.add_argument("--compile", action="store_true", help="torch.compile(model.forward, fullgraph=True)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: process CPU time (steadier on a shared machine)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 1
@@ -108,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         models[v](input_ids=tokens, labels=tokens).loss.backward()
         opts[v].step()
 
-    times = time_steps(step, list(models), args.rounds, args.steps)  # a random order each round
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = time_steps(step, list(models), args.rounds, args.steps, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))
     mode = "compiled (fullgraph)" if args.compile else "eager"
     print(f"Llama train step (AdamW, {mode}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
-          f"bytes; {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+          f"bytes; {torch.get_num_threads()} threads, {args.clock} clock, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
     print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
     for v in models:

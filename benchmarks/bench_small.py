@@ -14,6 +14,7 @@ Usage::
     python benchmarks/bench_small.py                 # the table, 1 thread
     python benchmarks/bench_small.py --quick         # seconds
     python benchmarks/bench_small.py --profile       # and the stages of one call
+    python benchmarks/bench_small.py --clock cpu     # process CPU time: steadier on a shared machine
 """
 
 from __future__ import annotations
@@ -53,11 +54,16 @@ def norms(c: int) -> dict[str, nn.Module]:
     return out
 
 
+CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = [time.perf_counter]  # --clock: the timer of every round
+
+
 def _per_call(fn: Callable[[], object], inner: int) -> float:
-    t0 = time.perf_counter()
+    clock = _clock[0]
+    t0 = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) / inner
+    return (clock() - t0) / inner
 
 
 def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dict[str, list[float]]:
@@ -130,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--quick", action="store_true", help="5 rounds x 50 calls")
     p.add_argument("--profile", action="store_true", help="also time the stages of one call")
+    p.add_argument("--clock", choices=tuple(CLOCK), default="wall",
+                   help="wall: time.perf_counter; cpu: process CPU time, steadier on a shared machine (1 thread)")
     args = p.parse_args(argv)
+    _clock[0] = CLOCK[args.clock]
     if args.quick:
         args.repeats, args.inner = 5, 50
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} interleaved "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; median of {args.repeats} interleaved "
           f"rounds x {args.inner} calls (us per call); 'x LN' = ratio of medians to nn.LayerNorm "
           f"(in brackets: of the fastest rounds)")
     names = list(norms(2))
