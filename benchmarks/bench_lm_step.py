@@ -40,6 +40,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import time_steps  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import swap_norms  # noqa: E402
 
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Llama train step (AdamW, {mode}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
           f"bytes; {torch.get_num_threads()} threads, {args.clock} clock, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
+    print(cpu_line())
     print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
     for v in models:
         print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "

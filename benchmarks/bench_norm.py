@@ -48,9 +48,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import round_orders  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm, MRSNorm2d  # noqa: E402
-from lightning_mrs.ops import cpu_kernels  # noqa: E402
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -238,8 +238,7 @@ def main(argv=None) -> int:
           f"malloc {args.malloc}, {args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
           f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
-    cpp = "built" if cpu_kernels.available() else f"unavailable ({cpu_kernels.build_error()})"
-    print(f"hand-written CPU kernels (the default's 'cpp' backend): {cpp}")
+    print(cpu_line())  # the model, the ISA flags the kernels use, threads, how the kernels were built
     results = []
     hdr = (f"{'case':20s} {'dtype':8s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
            f"{'min x':>6s} {'faults':>7s} {'saved MiB':>9s} {'mem x':>6s}")
@@ -255,7 +254,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_line(),
                        "clock": args.clock, "malloc": args.malloc,
                        "results": results}, f, indent=2)
     return 0

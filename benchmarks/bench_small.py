@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import round_orders  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm  # noqa: E402
 
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; median of {args.repeats} interleaved "
           f"rounds x {args.inner} calls (us per call); 'x LN' = ratio of medians to nn.LayerNorm "
           f"(in brackets: of the fastest rounds)")
+    print(cpu_line())
     names = list(norms(2))
     print(f"{'input':14s} {'mode':10s} " + " ".join(f"{n:>22s}" for n in names))
     for shape, mode in CASES:

@@ -12,7 +12,8 @@ norms (see the source's header for why):
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else
 ``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``) into a cache folder
 (``$LIGHTNING_MRS_CACHE``, else ``~/.cache/lightning_mrs``), keyed by the source, the
-compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`. Nothing happens at
+compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`
+(``LIGHTNING_MRS_CPU_NATIVE=0``: without ``-march=native``, the portable build). Nothing happens at
 import time; :func:`available` triggers the build. If the build fails (no compiler, no
 OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; ``backend="auto"``
 then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
-__all__ = ["NAME", "available", "backward", "build_error", "forward", "unavailable"]
+__all__ = ["NAME", "available", "backward", "build_error", "build_flags", "forward", "unavailable"]
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
@@ -92,6 +93,8 @@ def _cache_dir() -> Path:
 
 def _flag_sets() -> list[list[str]]:
     common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":  # the portable build only (x86-64 baseline)
+        return [common]
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
 
 
@@ -121,6 +124,7 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
+        _STATE["flags"] = " ".join(flags)
         return lib
     raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: " + " | ".join(errors))
 
@@ -168,6 +172,12 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 def build_error() -> Optional[str]:
     """Why the library could not be built, or ``None``."""
     return _STATE.get("error")  # type: ignore[return-value]
+
+
+def build_flags() -> Optional[str]:
+    """The compiler flags of the loaded library (``-march=native`` or the portable set), or
+    ``None`` before it is built or when it could not be."""
+    return _STATE.get("flags")  # type: ignore[return-value]
 
 
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:

@@ -182,3 +182,24 @@ def test_compiled_llama_with_mrsnorm_equals_eager_without_a_graph_break() -> Non
     assert got.keys() == eager_grads.keys()
     for name, g in got.items():
         torch.testing.assert_close(g, eager_grads[name], atol=10 * atol, rtol=10 * rtol, msg=name)
+
+
+CUDA_CASES = {"tokens_bf16": ((5, 7, 64), -1, False, None, torch.bfloat16),  # the Triton kernels
+              "nchw_per_sample_f32": ((3, 64, 5, 7), 1, True, None, torch.float32)}  # Inductor's
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_compiled_op_on_cuda_equals_the_eager_op(case: str) -> None:
+    shape, channel_dim, spatial, memory_format, dtype = CUDA_CASES[case]
+    x, w, gy = make_inputs(shape, channel_dim, memory_format, dtype, device="cuda")
+
+    def norm(a: Tensor, b: Optional[Tensor]) -> Tensor:
+        return mrs_norm(a, b, channel_dim=channel_dim, spatial=spatial)
+
+    torch._dynamo.reset()
+    got = grads(torch.compile(norm, fullgraph=True, dynamic=False), x, w, gy)
+    for g, e in zip(got, grads(norm, x, w, gy)):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert_matches_reference(got, x, w, gy, channel_dim, spatial)
