@@ -177,6 +177,9 @@ def recipe_command(script: str, precision: str, ctx_device: str, devices: int, s
     if script.endswith("cifar100.py"):
         cmd += ["--data.dataset", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_val_size", "64",
                 "--data.batch_size", "32", "--model.norm", "mrs"]
+        if accelerator == "cpu":  # the self-test: the CPU demo's narrow ResNet (a ResNet-18 takes minutes)
+            cmd += ["--model.arch", "timm:resnet18", "--model.arch_kwargs",
+                    '{"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}']
     else:
         cmd += ["--model.arch", "llama", "--model.norm", "mrs", "--model.config",
                 '{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512}',

@@ -15,8 +15,8 @@ How a call runs (:func:`normalize`):
 * inside ``torch.compile``, the op is one node of the graph, ``torch.ops.lightning_mrs.mrs_norm``
   (:mod:`lightning_mrs.ops.library`), which runs the same plan: no graph break, and Inductor keeps
   the hand-written kernels;
-* under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), ``torch.export`` and
-  ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
+* under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), forward-mode AD
+  (``torch.autograd.forward_ad``), ``torch.export`` and ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
   transforms differentiate and batch and which an exported program records as plain torch ops.
 """
 
@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from lightning_mrs.ops import library
 from lightning_mrs.ops.dispatch import BACKENDS, check_backend, plan_for, run
@@ -36,9 +37,11 @@ __all__ = ["BACKENDS", "mrs_norm", "mrs_scale", "which_backend"]
 
 
 def _formula_only() -> bool:
-    # torch.func transforms wrap the tensors (no data pointer, no old-style Function); a trace
-    # records the plain formula, which it can save and replay
-    return torch._C._are_functorch_transforms_active() or torch._C._is_tracing()
+    # torch.func transforms wrap the tensors (no data pointer, no old-style Function); inside a
+    # forward-AD dual level the kernels would drop the tangents (the Function has no jvp); a
+    # trace records the plain formula, which it can save and replay
+    return (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+            or torch._C._is_tracing())
 
 
 def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,

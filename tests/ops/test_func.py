@@ -1,5 +1,5 @@
 """The op and its modules under ``torch.func`` transforms: ``grad`` of ``functional_call`` equal to
-the eager gradient, ``vmap`` equal to a loop (over the batch, over a weight ensemble, with the
+the eager gradient, forward-mode AD keeping its tangents, ``vmap`` equal to a loop (over the batch, over a weight ensemble, with the
 channels and the batch dim anywhere), ``jacrev``/``jacfwd``/``vjp`` against autograd, and
 float64 ``gradcheck`` through the transforms. Under a transform the op runs the reference
 formula (``lightning_mrs.ops.mrs_norm``), so the eager kernels' results are the reference here.
@@ -103,6 +103,19 @@ def test_vjp_equals_backward() -> None:
     torch.testing.assert_close(y, ye.detach(), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(dx, xe.grad, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(dw, we.grad, atol=1e-12, rtol=1e-10)
+
+
+def test_forward_mode_ad_keeps_the_tangents() -> None:
+    # the fused kernels have no jvp: inside a dual level the op must not drop the tangent
+    import torch.autograd.forward_ad as fwAD
+
+    x, w, _ = make_inputs((3, 5, 8), -1, None, torch.float64)
+    t = torch.randn_like(x)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(mrs_norm(fwAD.make_dual(x, t), w)).tangent
+    _, expected = torch.func.jvp(lambda a: mrs_norm(a, w), (x,), (t,))
+    assert tangent is not None
+    torch.testing.assert_close(tangent, expected, atol=1e-12, rtol=1e-10)
 
 
 def test_gradcheck_float64_through_vmap_and_grad() -> None:
