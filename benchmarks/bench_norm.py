@@ -3,7 +3,9 @@
 Every case times, interleaved in one process (so machine noise hits all rows alike), the
 default ``MRSNorm``/``MRSNorm2d`` module (on the CPU: the hand-written ``cpp`` kernels where
 they cover the layout), its native counterpart (the ratio's denominator) and peers: the
-Inductor-compiled MRS kernels, the eager MRS formula, ``F.rms_norm`` eager and compiled. Saved memory is the sum
+Inductor-compiled MRS kernels, the eager MRS formula, the module under ``torch.compile`` (the
+custom op: our kernels) and the formula under ``torch.compile`` (Inductor's own code for it),
+``F.rms_norm`` eager and compiled. Saved memory is the sum
 of the unique storages packed by ``torch.autograd.graph.saved_tensors_hooks`` for one
 forward.
 
@@ -123,6 +125,8 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
                 "nn.LayerNorm": lambda c=c: nn.LayerNorm(c),
                 "MRSNorm inductor": lambda c=c: _backend(MRSNorm(c), "inductor"),
                 "MRSNorm eager formula": lambda c=c: _backend(MRSNorm(c), "eager"),
+                "MRSNorm compiled": lambda c=c: _Compiled(MRSNorm(c)),  # the custom op: our kernels
+                "MRSNorm formula compiled": lambda c=c: _Compiled(_backend(MRSNorm(c), "eager")),  # Inductor's code
                 "F.rms_norm eager": lambda c=c: nn.RMSNorm(c),
                 "F.rms_norm compiled": lambda c=c: _Compiled(nn.RMSNorm(c)),
             },
@@ -145,6 +149,7 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
             "MRSNorm2d spatial (default)": lambda: MRSNorm2d(64, spatial=True),
             "nn.GroupNorm(1, C)": lambda: nn.GroupNorm(1, 64),
             "MRSNorm2d spatial inductor": lambda: _backend(MRSNorm2d(64, spatial=True), "inductor"),
+            "MRSNorm2d spatial compiled": lambda: _Compiled(MRSNorm2d(64, spatial=True)),
             "MRSNorm2d spatial eager formula": lambda: _backend(MRSNorm2d(64, spatial=True), "eager"),
         },
         "nn.GroupNorm(1, C)",

@@ -57,7 +57,7 @@ def mrs_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: in
     """``(y, r_sum)`` of MRSNorm (``channel_dim >= 0``, arguments checked by the caller)."""
     plan = plan_for(x, weight, eps, channel_dim, spatial, backend, "mrs_norm")
     y, r_sum = plan.forward(x, weight, eps)
-    return _as_promised(y, x), r_sum.reshape(-1)
+    return (y if plan.like_x else _as_promised(y, x)), r_sum.reshape(-1)
 
 
 @mrs_norm_op.register_fake
@@ -73,7 +73,7 @@ def mrs_norm_backward_op(grad: Tensor, x: Tensor, weight: Optional[Tensor], r_su
     """``(dx, dw)`` of :func:`mrs_norm_op` for the upstream gradient ``grad``."""
     plan = plan_for(x, weight, eps, channel_dim, spatial, backend, "mrs_norm")
     dx, dw = plan.backward(x, weight, r_sum.view(plan.rsum_shape), grad, eps, need_weight_grad)
-    return _as_promised(dx, x), (dw if dw is not None else x.new_empty(0))
+    return (dx if plan.like_x else _as_promised(dx, x)), (dw if dw is not None else x.new_empty(0))
 
 
 @mrs_norm_backward_op.register_fake

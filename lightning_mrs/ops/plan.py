@@ -63,6 +63,7 @@ class RowsPlan:
     Without autograd one kernel call and no saved ``S``."""
 
     backend = cpu_kernels.NAME
+    like_x = True  # y and dx come from torch.empty_like(x): the strides the compiled op promises
     __slots__ = ("channel_dim", "spatial", "groups", "channels")
 
     def __init__(self, channel_dim: int, groups: int, channels: int) -> None:
@@ -94,6 +95,7 @@ class FusedPlan:
     """One backend's forward and backward kernels on the canonical 3-d view of the input
     (:class:`~lightning_mrs.ops.layout.Canonical`); results come back in the input's layout."""
 
+    like_x = False  # y and dx come back through the canonical view: strides to be checked
     __slots__ = ("backend", "kernels", "channel_dim", "spatial", "canonical")
 
     def __init__(self, backend: str, kernels: ModuleType, channel_dim: int, spatial: bool,
@@ -137,6 +139,7 @@ class EagerPlan:
     equal); on an empty input, empty results and a zero weight gradient."""
 
     backend = "eager"
+    like_x = False
     __slots__ = ("channel_dim", "spatial", "groups", "bodies")
 
     def __init__(self, channel_dim: int, spatial: bool, groups: int, bodies: Optional[FusedPlan]) -> None:
