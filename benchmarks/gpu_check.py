@@ -113,7 +113,8 @@ def _compile_check(dtype: torch.dtype) -> Callable[[Context], tuple[str, str, di
     def run(ctx: Context) -> tuple[str, str, dict]:
         import gpu_check_ops as ops
 
-        return _outcome(ops.check_compiled(dtype, ctx.device, layouts), len(layouts))
+        out = ops.check_backend_dtype("auto", dtype, ctx.device, lambda layout: False, layouts, compiled=True)
+        return _outcome(out, len(layouts))
     return run
 
 

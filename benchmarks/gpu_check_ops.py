@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm
 
-__all__ = ["LAYOUTS", "TOLS", "Case", "check_backend_dtype", "check_compiled", "copy_bandwidth", "nominal_bandwidth",
+__all__ = ["LAYOUTS", "TOLS", "Case", "check_backend_dtype", "copy_bandwidth", "nominal_bandwidth",
            "reference", "speed_case", "SPEED_CASES"]
 
 #: name -> (shape, channel_dim, spatial, memory_format, view): every layout the kernels tell
@@ -120,8 +120,10 @@ class Outcome:
 
 
 def check_backend_dtype(backend: str, dtype: torch.dtype, device: str,
-                        expected_refusal: Callable[[str], bool], layouts: Optional[list[str]] = None) -> Outcome:
-    """Every layout with ``backend`` forced; a refusal is a failure unless ``expected_refusal(layout)``."""
+                        expected_refusal: Callable[[str], bool], layouts: Optional[list[str]] = None,
+                        compiled: bool = False) -> Outcome:
+    """Every layout with ``backend`` forced (``compiled``: under ``torch.compile(fullgraph=True)``,
+    the custom op); a refusal is a failure unless ``expected_refusal(layout)``."""
     out = Outcome()
     for layout in layouts or list(LAYOUTS):
         _, channel_dim, spatial, _, _ = LAYOUTS[layout]
@@ -130,6 +132,9 @@ def check_backend_dtype(backend: str, dtype: torch.dtype, device: str,
             return mrs_norm(a, b, channel_dim=channel_dim, spatial=spatial, backend=backend)
 
         try:
+            if compiled:
+                torch._dynamo.reset()  # one code object for every layout: a fresh compile each
+                norm = torch.compile(norm, fullgraph=True, dynamic=False)
             ratio = check_layout(norm, layout, dtype, device)
         except ValueError as err:
             if "cannot run" in str(err) and expected_refusal(layout):
@@ -138,27 +143,6 @@ def check_backend_dtype(backend: str, dtype: torch.dtype, device: str,
                 out.failed.append(f"{layout}: {type(err).__name__}: {str(err)[:160]}")
             continue
         except Exception as err:  # a crash in a kernel is a failure of this check, not of the script
-            out.failed.append(f"{layout}: {type(err).__name__}: {str(err)[:160]}")
-            continue
-        out.worst = max(out.worst, ratio)
-        if not ratio <= 1.0:
-            out.failed.append(f"{layout}: error {ratio:.2f} x tolerance")
-    return out
-
-
-def check_compiled(dtype: torch.dtype, device: str, layouts: list[str]) -> Outcome:
-    """``torch.compile(fullgraph=True)`` of the op (the custom op, the plans' kernels) on ``layouts``."""
-    out = Outcome()
-    for layout in layouts:
-        _, channel_dim, spatial, _, _ = LAYOUTS[layout]
-
-        def norm(a: Tensor, b: Tensor) -> Tensor:
-            return mrs_norm(a, b, channel_dim=channel_dim, spatial=spatial)
-
-        torch._dynamo.reset()
-        try:
-            ratio = check_layout(torch.compile(norm, fullgraph=True, dynamic=False), layout, dtype, device)
-        except Exception as err:
             out.failed.append(f"{layout}: {type(err).__name__}: {str(err)[:160]}")
             continue
         out.worst = max(out.worst, ratio)
