@@ -52,7 +52,7 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
         check_backend(backend, caller)
         if backend == "eager" or torch.compiler.is_exporting() or x.numel() == 0:
             return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-        return library.mrs_norm_op(x, weight, eps, channel_dim, spatial, backend)[0]
+        return library.mrs_norm_op(x, weight, float(eps), channel_dim, spatial, backend)[0]
     if _formula_only():
         channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
         check_backend(backend, caller)
