@@ -6,7 +6,9 @@ The model is a transformers ``LlamaForCausalLM`` built from a config (nothing do
 
 * ``llama``: the model's own ``LlamaRMSNorm`` (the denominator of the ratios);
 * ``rms``: every norm replaced by ``nn.RMSNorm`` (``swap_norms(model, target="rms")``);
-* ``mrs``: every norm replaced by ``MRSNorm`` (``swap_norms(model, target="mrs")``).
+* ``mrs``: every norm replaced by ``MRSNorm`` (``swap_norms(model, target="mrs")``);
+* ``mrs-formula`` (not run by default): ``mrs`` with ``backend="eager"``, the reference formula
+  (under ``--compile``: Inductor's own code for it, the compiled path before the custom op).
 
 The swaps go through :func:`lightning_mrs.swap_norms`; a swap that converts nothing (or
 leaves a ``LlamaRMSNorm`` behind) stops the benchmark with an error rather than timing the
@@ -19,6 +21,11 @@ Usage::
     python benchmarks/bench_lm_step.py                # 9 rounds
     python benchmarks/bench_lm_step.py --quick        # 3 rounds, a minute or two
     python benchmarks/bench_lm_step.py --threads 1 --rounds 15 --json lm_step.json
+    python benchmarks/bench_lm_step.py --compile --batch 16 --rounds 7 --variants llama mrs mrs-formula
+
+``--compile`` wraps each model's forward in ``torch.compile(model.forward, fullgraph=True)``
+(the loss is computed inside it; the backward is Inductor's too). The warm-up steps pay the
+compiles, so they are not timed; a graph break raises (``fullgraph``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,10 +42,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import time_steps  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import swap_norms  # noqa: E402
 
-VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs"}  # name -> swap target
+VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs", "mrs-formula": "mrs"}  # name -> swap target
+DEFAULT_VARIANTS = ["llama", "rms", "mrs"]
 
 
 def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, str]:
@@ -64,7 +74,13 @@ def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, s
             f"LlamaRMSNorm layers (left: {left[:3]}); the benchmark would time the unchanged model.\n{report}"
         )
     kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n in report.converted})
-    return model, f"{len(report.converted)} x {', '.join(kinds)} (swap_norms target={target!r})"
+    how = f"{len(report.converted)} x {', '.join(kinds)} (swap_norms target={target!r})"
+    if variant == "mrs-formula":  # the reference formula: what Inductor compiled before the custom op
+        for n, m in model.named_modules():
+            if n in report.converted:
+                m.backend = "eager"
+        how += ", backend='eager'"
+    return model, how
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds (median)")
     p.add_argument("--steps", type=int, default=2, help="steps per model per round")
     p.add_argument("--quick", action="store_true", help="3 rounds of 1 step")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                   help="mrs-formula: MRSNorm with backend='eager' (the plain formula; under --compile "
+                   "what Inductor fuses itself)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model.forward, fullgraph=True)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: process CPU time (steadier on a shared machine)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 1
@@ -94,19 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variants:
         models[v], how[v] = build(v, args.layers, args.width, args.seq)
         opts[v] = torch.optim.AdamW(models[v].parameters(), lr=1e-3)
+        if args.compile:
+            models[v].forward = torch.compile(models[v].forward, fullgraph=True)
 
     def step(v: str) -> None:
         opts[v].zero_grad(set_to_none=True)
         models[v](input_ids=tokens, labels=tokens).loss.backward()
         opts[v].step()
 
-    times = time_steps(step, list(models), args.rounds, args.steps)  # a random order each round
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = time_steps(step, list(models), args.rounds, args.steps, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))
-    print(f"Llama train step (AdamW): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
-          f"bytes; {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+    mode = "compiled (fullgraph)" if args.compile else "eager"
+    print(f"Llama train step (AdamW, {mode}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
+          f"bytes; {torch.get_num_threads()} threads, {args.clock} clock, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
+    print(cpu_line())
     print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
     for v in models:
         print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "

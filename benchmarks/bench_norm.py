@@ -3,7 +3,9 @@
 Every case times, interleaved in one process (so machine noise hits all rows alike), the
 default ``MRSNorm``/``MRSNorm2d`` module (on the CPU: the hand-written ``cpp`` kernels where
 they cover the layout), its native counterpart (the ratio's denominator) and peers: the
-Inductor-compiled MRS kernels, the eager MRS formula, ``F.rms_norm`` eager and compiled. Saved memory is the sum
+Inductor-compiled MRS kernels, the eager MRS formula, the module under ``torch.compile`` (the
+custom op: our kernels) and the formula under ``torch.compile`` (Inductor's own code for it),
+``F.rms_norm`` eager and compiled. Saved memory is the sum
 of the unique storages packed by ``torch.autograd.graph.saved_tensors_hooks`` for one
 forward.
 
@@ -48,9 +50,9 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import round_orders  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm, MRSNorm2d  # noqa: E402
-from lightning_mrs.ops import cpu_kernels  # noqa: E402
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -123,6 +125,8 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
                 "nn.LayerNorm": lambda c=c: nn.LayerNorm(c),
                 "MRSNorm inductor": lambda c=c: _backend(MRSNorm(c), "inductor"),
                 "MRSNorm eager formula": lambda c=c: _backend(MRSNorm(c), "eager"),
+                "MRSNorm compiled": lambda c=c: _Compiled(MRSNorm(c)),  # the custom op: our kernels
+                "MRSNorm formula compiled": lambda c=c: _Compiled(_backend(MRSNorm(c), "eager")),  # Inductor's code
                 "F.rms_norm eager": lambda c=c: nn.RMSNorm(c),
                 "F.rms_norm compiled": lambda c=c: _Compiled(nn.RMSNorm(c)),
             },
@@ -145,6 +149,7 @@ def cases() -> dict[str, tuple[tuple[int, ...], dict[str, Callable[[], nn.Module
             "MRSNorm2d spatial (default)": lambda: MRSNorm2d(64, spatial=True),
             "nn.GroupNorm(1, C)": lambda: nn.GroupNorm(1, 64),
             "MRSNorm2d spatial inductor": lambda: _backend(MRSNorm2d(64, spatial=True), "inductor"),
+            "MRSNorm2d spatial compiled": lambda: _Compiled(MRSNorm2d(64, spatial=True)),
             "MRSNorm2d spatial eager formula": lambda: _backend(MRSNorm2d(64, spatial=True), "eager"),
         },
         "nn.GroupNorm(1, C)",
@@ -238,8 +243,7 @@ def main(argv=None) -> int:
           f"malloc {args.malloc}, {args.repeats} "
           f"interleaved rounds x {args.inner} fwd+bwd calls; 'time x' = ratio of medians, "
           f"'min x' = ratio of fastest rounds; both against each case's native counterpart")
-    cpp = "built" if cpu_kernels.available() else f"unavailable ({cpu_kernels.build_error()})"
-    print(f"hand-written CPU kernels (the default's 'cpp' backend): {cpp}")
+    print(cpu_line())  # the model, the ISA flags the kernels use, threads, how the kernels were built
     results = []
     hdr = (f"{'case':20s} {'dtype':8s} {'impl':32s} {'median ms':>9s} {'time x':>6s} {'min ms':>8s} "
            f"{'min x':>6s} {'faults':>7s} {'saved MiB':>9s} {'mem x':>6s}")
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_line(),
                        "clock": args.clock, "malloc": args.malloc,
                        "results": results}, f, indent=2)
     return 0

@@ -14,12 +14,12 @@ Usage::
     python benchmarks/bench_small.py                 # the table, 1 thread
     python benchmarks/bench_small.py --quick         # seconds
     python benchmarks/bench_small.py --profile       # and the stages of one call
+    python benchmarks/bench_small.py --clock cpu     # process CPU time: steadier on a shared machine
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import round_orders  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm  # noqa: E402
 
@@ -54,11 +55,16 @@ def norms(c: int) -> dict[str, nn.Module]:
     return out
 
 
+CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = [time.perf_counter]  # --clock: the timer of every round
+
+
 def _per_call(fn: Callable[[], object], inner: int) -> float:
-    t0 = time.perf_counter()
+    clock = _clock[0]
+    t0 = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) / inner
+    return (clock() - t0) / inner
 
 
 def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dict[str, list[float]]:
@@ -86,15 +92,15 @@ def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dic
 
 def profile(inner: int) -> list[tuple[str, float]]:
     """Microseconds of the stages of one inference call on (1, 1, 2048), fastest of 7 rounds."""
-    op = importlib.import_module("lightning_mrs.ops.mrs_norm")
-    from lightning_mrs.ops import cpu_kernels, fast_path, function, layout
-    from lightning_mrs.ops.validation import check_inputs
+    from lightning_mrs.ops import cpu_kernels, dispatch, plan
 
     c = 2048
     m = MRSNorm(c)
     x = torch.randn(1, 1, c)
     w = m.weight.detach()
-    can = layout.canonical_of(x, 2, False)
+    rows = dispatch.plan_for(x, w, 1e-6, -1, False, "auto")
+    fused = dispatch.plan_for(x, w, 1e-6, -1, False, "cpp")  # the general plan of the same kernel
+    can = fused.canonical
     x3 = can.view(x)
     idle = nn.Identity()
     stages: dict[str, Callable[[], object]] = {
@@ -102,18 +108,19 @@ def profile(inner: int) -> list[tuple[str, float]]:
         "nn.LayerNorm module call (total)": (lambda ln=nn.LayerNorm(c): ln(x)),
         "  an empty nn.Module call": lambda: idle(x),
         "  module.weight (nn.Module __getattr__)": lambda: m.weight,
-        "  fast_path.try_rows (checks + kernel)": lambda: fast_path.try_rows(x, w, 1e-6, -1, False, "auto"),
-        "  cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
-        "  torch.empty_like (the output)": lambda: torch.empty_like(x),
-        "general path (total, backend='cpp')": lambda: op.normalize(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
-        "  check_inputs (validation)": lambda: check_inputs(x, w, 1e-6, -1, False, "mrs_norm"),
-        "  canonical_of (cached layout)": lambda: layout.canonical_of(x, 2, False),
-        "  _resolve (dispatch key + cache)": lambda: op._resolve(x, can, "cpp"),
-        "  MRSNormFunction.apply (all of it)": lambda: function.MRSNormFunction.apply(x, w, 1e-6, 2, False, "cpp", can),
+        "  dispatch.run (plan lookup + plan)": lambda: dispatch.run(x, w, 1e-6, -1, False, "auto", "mrs_norm"),
+        "    dispatch.plan_for (the key, the lookup)": lambda: dispatch.plan_for(x, w, 1e-6, -1, False, "auto"),
+        f"    the plan ({type(rows).__name__}: kernel + alloc)": lambda: rows(x, w, 1e-6),
+        "    cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
+        "    torch.empty_like (the output)": lambda: torch.empty_like(x),
+        "  a plan miss (checks, layout, backend choice)": lambda: dispatch._build(x, w, 1e-6, -1, False, "auto",
+                                                                                 "mrs_norm"),
+        "general plan (total, backend='cpp')": lambda: dispatch.run(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
+        "  FusedPlan.forward (view, kernel, restore)": lambda: fused.forward(x, w, 1e-6),
         "    canonical.view": lambda: can.view(x),
         "    cpp forward (backend interface)": lambda: cpu_kernels.forward(x3, w, 1e-6, can.layout),
         "    canonical.restore": lambda: can.restore(x3),
-        "    _fresh (a non-view output)": lambda: function._fresh(x3),
+        "    _fresh (a non-view output)": lambda: plan._fresh(x3),
     }
     out = []
     with torch.inference_mode():
@@ -130,13 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--quick", action="store_true", help="5 rounds x 50 calls")
     p.add_argument("--profile", action="store_true", help="also time the stages of one call")
+    p.add_argument("--clock", choices=tuple(CLOCK), default="wall",
+                   help="wall: time.perf_counter; cpu: process CPU time, steadier on a shared machine (1 thread)")
     args = p.parse_args(argv)
+    _clock[0] = CLOCK[args.clock]
     if args.quick:
         args.repeats, args.inner = 5, 50
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} interleaved "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock; median of {args.repeats} interleaved "
           f"rounds x {args.inner} calls (us per call); 'x LN' = ratio of medians to nn.LayerNorm "
           f"(in brackets: of the fastest rounds)")
+    print(cpu_line())
     names = list(norms(2))
     print(f"{'input':14s} {'mode':10s} " + " ".join(f"{n:>22s}" for n in names))
     for shape, mode in CASES:

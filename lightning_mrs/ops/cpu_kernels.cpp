@@ -96,6 +96,10 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
   const int64_t blk = row_block<T>(C);
   const bool one_block = L == 1 && C <= blk;  // the buffer still holds the row in pass 2
+  // the per-channel gain: the output pass runs over contiguous channels (no stride-2 stores)
+  std::vector<float> w2(kAffine ? C : 0);
+  if constexpr (kAffine)
+    for (int64_t c = 0; c < C; ++c) w2[c] = w[c / 2];
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<float> xb = scratch<T>(kBlock), yb = scratch<T>(kBlock);
@@ -121,16 +125,17 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
         for (int64_t j0 = 0; j0 < C; j0 += blk) {
           const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
-          const float* wb = kAffine ? w + j0 / 2 : nullptr;
+          const float* wc = kAffine ? w2.data() + j0 : nullptr;
           T* yd = y + (a * L + l) * C + j0;
-          float* yr = out_f32(yd, yb.data());
+          if constexpr (std::is_same_v<T, bf16>) {  // rounded straight into the output: integer maths, in place
 #pragma omp simd
-          for (int64_t p = 0; p < n / 2; ++p) {
-            const float m = kAffine ? inv * wb[p] : inv;
-            yr[2 * p] = xr[2 * p] * m;
-            yr[2 * p + 1] = xr[2 * p + 1] * m;
+            for (int64_t c = 0; c < n; ++c) st(yd + c, xr[c] * (kAffine ? inv * wc[c] : inv));
+          } else {
+            float* yr = out_f32(yd, yb.data());
+#pragma omp simd
+            for (int64_t c = 0; c < n; ++c) yr[c] = xr[c] * (kAffine ? inv * wc[c] : inv);
+            flush(yr, yd, n);
           }
-          flush(yr, yd, n);
         }
       }
     }

@@ -12,7 +12,8 @@ norms (see the source's header for why):
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else
 ``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``) into a cache folder
 (``$LIGHTNING_MRS_CACHE``, else ``~/.cache/lightning_mrs``), keyed by the source, the
-compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`. Nothing happens at
+compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`
+(``LIGHTNING_MRS_CPU_NATIVE=0``: without ``-march=native``, the portable build). Nothing happens at
 import time; :func:`available` triggers the build. If the build fails (no compiler, no
 OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; ``backend="auto"``
 then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
-__all__ = ["NAME", "available", "backward", "build_error", "forward", "unavailable"]
+__all__ = ["NAME", "available", "backward", "build_error", "build_flags", "forward", "unavailable"]
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
@@ -92,6 +93,8 @@ def _cache_dir() -> Path:
 
 def _flag_sets() -> list[list[str]]:
     common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":  # the portable build only (x86-64 baseline)
+        return [common]
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
 
 
@@ -121,6 +124,7 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp, target)
         lib = ctypes.CDLL(str(target))
         _declare(lib)
+        _STATE["flags"] = " ".join(flags)
         return lib
     raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: " + " | ".join(errors))
 
@@ -170,6 +174,12 @@ def build_error() -> Optional[str]:
     return _STATE.get("error")  # type: ignore[return-value]
 
 
+def build_flags() -> Optional[str]:
+    """The compiler flags of the loaded library (``-march=native`` or the portable set), or
+    ``None`` before it is built or when it could not be."""
+    return _STATE.get("flags")  # type: ignore[return-value]
+
+
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     """Why no kernel here covers ``key`` (``None`` when one does; builds the library on the
     first call that needs it). Covered: float32/bfloat16/float16 CPU tensors whose canonical
@@ -217,7 +227,7 @@ def threads(numel: int) -> int:
     return max(1, min(torch.get_num_threads(), numel // MIN_NUMEL_PER_THREAD))
 
 
-# The row kernels are the op's fast path (lightning_mrs.ops.fast_path): on a token they take
+# The row kernels are the op's fast path (RowsPlan in lightning_mrs.ops.plan): on a token they take
 # about as long as the Python around them, so these two do nothing they need not do.
 def rows_forward(x: Tensor, w: Optional[Tensor], eps: float, groups: int, rows: int, channels: int,
                  with_rsum: bool = True) -> tuple[Tensor, Optional[Tensor]]:

@@ -15,7 +15,8 @@ layout (any permutation of a contiguous tensor) is a view, except one ``S`` per 
 the channels neither innermost nor next to the batch dim (``(N, H, C, W)`` in memory) or the
 batch dim not outermost; those, and odd strides (slices, expanded dims), are copied. It is
 always a *logical* mapping, so it is right for any strides; only the cost of the reshape
-depends on them.
+depends on them. A call's :class:`Canonical` is built once per kind of call, with its plan
+(:mod:`lightning_mrs.ops.dispatch`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["Canonical", "DispatchKey", "Layout", "canonical_of", "is_dense", "like"]
+__all__ = ["Canonical", "DispatchKey", "Layout", "is_dense", "like"]
 
 
 class Layout(NamedTuple):
@@ -98,22 +99,6 @@ class Canonical(NamedTuple):
         """A 3-d kernel result back in the input's shape (the strides follow ``t3``'s)."""
         inverse = [self.order.index(d) for d in range(len(self.order))]
         return t3.reshape(self.permuted_shape).permute(inverse)
-
-
-_CACHE: dict[tuple, Canonical] = {}
-_CACHE_SIZE = 4096  # distinct (shape, strides, mode) seen by a process: a model has a few dozen
-
-
-def canonical_of(x: Tensor, channel_dim: int, spatial: bool) -> Canonical:
-    """:meth:`Canonical.of`, cached per (shape, strides, channel dim, mode): a training step
-    meets the same few layouts over and over, and building one costs tens of microseconds."""
-    key = (x.shape, x.stride(), channel_dim, spatial)
-    canonical = _CACHE.get(key)
-    if canonical is None:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.clear()
-        canonical = _CACHE[key] = Canonical.of(x, channel_dim, spatial)
-    return canonical
 
 
 def like(g: Tensor, x: Tensor) -> Tensor:

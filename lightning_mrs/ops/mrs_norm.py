@@ -8,11 +8,16 @@ Where the mean is taken (``docs/method.md#where-the-mean-is-taken``):
   per (sample, position), ``spatial=True`` one ``S`` per sample, shared over all phasors at
   all positions (like ``GroupNorm(1, C)``).
 
-The common case - a contiguous channels-last CPU input - goes straight to the C++ row
-kernels (:mod:`.fast_path`, which accepts only inputs that pass every check). Otherwise the
-arguments are checked here (:mod:`.validation`); then the reference formula runs
-(:mod:`.reference`) or the fused autograd Function (:mod:`.function`) with the backend that
-:mod:`.dispatch` picks.
+How a call runs (:func:`normalize`):
+
+* eagerly, the plan of this kind of call runs (:func:`lightning_mrs.ops.dispatch.run`: resolved
+  and cached once per kind of call, see :mod:`lightning_mrs.ops.dispatch`);
+* inside ``torch.compile``, the op is one node of the graph, ``torch.ops.lightning_mrs.mrs_norm``
+  (:mod:`lightning_mrs.ops.library`), which runs the same plan: no graph break, and Inductor keeps
+  the hand-written kernels;
+* under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), forward-mode AD
+  (``torch.autograd.forward_ad``), ``torch.export`` and ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
+  transforms differentiate and batch and which an exported program records as plain torch ops.
 """
 
 from __future__ import annotations
@@ -21,45 +26,38 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
-from lightning_mrs.ops.dispatch import BACKENDS, compile_min_numel, resolve
-from lightning_mrs.ops.fast_path import try_rows
-from lightning_mrs.ops.function import fused_mrs_norm
-from lightning_mrs.ops.layout import Canonical, DispatchKey, canonical_of
+from lightning_mrs.ops import library
+from lightning_mrs.ops.dispatch import BACKENDS, check_backend, plan_for, run
 from lightning_mrs.ops.reference import mrs_norm_reference, mrs_scale_reference
 from lightning_mrs.ops.validation import check_inputs
 
 __all__ = ["BACKENDS", "mrs_norm", "mrs_scale", "which_backend"]
 
 
-def _check_backend(backend: str, caller: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-
-
-def _runs_eagerly(x: Tensor) -> bool:
-    # inside torch.compile / torch.export the plain formula lets the outer graph fuse it (no
-    # graph break); under torch.jit.trace it is what the trace can record and save
-    return x.numel() == 0 or torch.compiler.is_compiling() or torch.jit.is_tracing()
+def _formula_only() -> bool:
+    # torch.func transforms wrap the tensors (no data pointer, no old-style Function); inside a
+    # forward-AD dual level the kernels would drop the tangents (the Function has no jvp); a
+    # trace records the plain formula, which it can save and replay
+    return (torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+            or torch._C._is_tracing())
 
 
 def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
               backend: str, caller: str) -> Tensor:
     """:func:`mrs_norm` with the caller's name in error messages (the modules pass theirs)."""
-    y = try_rows(x, weight, eps, channel_dim, spatial, backend)
-    if y is not None:
-        return y
-    channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
-    _check_backend(backend, caller)
-    if backend == "eager" or _runs_eagerly(x):
+    if torch.compiler.is_compiling():  # first: Dynamo must see nothing else of the eager path
+        channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
+        check_backend(backend, caller)
+        if backend == "eager" or torch.compiler.is_exporting() or x.numel() == 0:
+            return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
+        return library.mrs_norm_op(x, weight, float(eps), channel_dim, spatial, backend)[0]
+    if _formula_only():
+        channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
+        check_backend(backend, caller)
         return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-    canonical = canonical_of(x, channel_dim, spatial)
-    return fused_mrs_norm(x, weight, eps, channel_dim, spatial, _resolve(x, canonical, backend), canonical)
-
-
-def _resolve(x: Tensor, canonical: Canonical, backend: str) -> str:
-    large = x.numel() >= compile_min_numel()
-    return resolve(DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.dense, large), backend)
+    return run(x, weight, eps, channel_dim, spatial, backend, caller)
 
 
 def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, backend: str = "auto") -> str:
@@ -71,11 +69,11 @@ def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, ba
         >>> which_backend(torch.randn(8, 64, dtype=torch.float64))
         'torch'
     """
-    channel_dim = check_inputs(x, None, 1e-6, channel_dim, spatial, "which_backend")
-    _check_backend(backend, "which_backend")
-    if backend == "eager" or _runs_eagerly(x):
+    if _formula_only() or torch.compiler.is_exporting():
+        check_inputs(x, None, 1e-6, channel_dim, spatial, "which_backend")
+        check_backend(backend, "which_backend")
         return "eager"
-    return _resolve(x, canonical_of(x, channel_dim, spatial), backend)
+    return plan_for(x, None, 1e-6, channel_dim, spatial, backend, "which_backend").backend
 
 
 def mrs_norm(

@@ -53,3 +53,10 @@ def test_time_steps_warms_up_then_times_every_name_once_a_round() -> None:
     assert {k: len(v) for k, v in times.items()} == {"a": 4, "b": 4, "c": 4}
     assert all(t >= 0 for v in times.values() for t in v)
 
+
+
+def test_time_steps_reads_the_given_clock() -> None:
+    # a clock that advances 6 s per reading: each round of 3 steps spans one reading pair
+    ticks = iter(range(0, 1000, 6))
+    times = time_steps(lambda name: None, ["a", "b"], rounds=2, steps=3, warmup=0, clock=lambda: next(ticks))
+    assert times == {"a": [2.0, 2.0], "b": [2.0, 2.0]}

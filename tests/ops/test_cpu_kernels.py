@@ -200,3 +200,10 @@ def test_the_portable_build_converts_float16_like_torch(fresh_build: Path, monke
     xs = torch.randn(9, 64).to(torch.float16)
     assert torch.equal(forced("cpp")(xs, w), forced("cpp")(xs.float(), w.float()).to(torch.float16))
 
+
+def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_MRS_CPU_NATIVE", raising=False)
+    native, portable = cpu_kernels._flag_sets()
+    assert "-march=native" in native and "-march=native" not in portable
+    monkeypatch.setenv("LIGHTNING_MRS_CPU_NATIVE", "0")
+    assert cpu_kernels._flag_sets() == [portable]

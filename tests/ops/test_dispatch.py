@@ -152,18 +152,32 @@ def _count_cpp_checks(monkeypatch: pytest.MonkeyPatch) -> list[DispatchKey]:
     return seen
 
 
-def test_the_choice_is_made_once_per_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plan_is_made_once_per_kind_of_call(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _count_cpp_checks(monkeypatch)
     first = which_backend(torch.randn(6, 8))
-    assert which_backend(torch.randn(7, 8)) == first  # another size, the same key
+    assert which_backend(torch.randn(6, 8)) == first  # the same kind of call: its cached plan
+    mrs_norm(torch.randn(6, 8))  # the op's default arguments: the same plan again
     assert len(seen) == 1
-    which_backend(torch.randn(6, 8, dtype=torch.bfloat16))  # another dtype: a new key
+    which_backend(torch.randn(7, 8))  # another shape: a new plan (its own canonical view)
+    which_backend(torch.randn(6, 8, dtype=torch.bfloat16))  # another dtype: a new plan
     with contextlib.suppress(ValueError):  # refused where the C++ kernels cannot be built
-        which_backend(torch.randn(6, 8), backend="cpp")  # another request: a new entry
-    assert len(seen) == 3
+        which_backend(torch.randn(6, 8), backend="cpp")  # another request: a new plan
+    assert len(seen) == 4
     dispatch.clear_cache()
     which_backend(torch.randn(6, 8))
-    assert len(seen) == 4  # forgotten: asked again
+    assert len(seen) == 5  # forgotten: asked again
+
+
+def test_one_cache_holds_every_plan() -> None:
+    # the fast path (the rows plan) and every other plan live in dispatch.PLANS, nowhere else
+    x = torch.randn(4, 8)
+    plans = [dispatch.plan_for(x, None, 1e-6, -1, False, "auto"),
+             dispatch.plan_for(x, None, 1e-6, -1, False, "torch"),
+             dispatch.plan_for(x, None, 1e-6, -1, False, "eager")]
+    assert len(dispatch.PLANS) == 3 and all(any(p is q for q in dispatch.PLANS.values()) for p in plans)
+    assert [p.backend for p in plans] == [CPP or "torch", "torch", "eager"]
+    dispatch.clear_cache()
+    assert not dispatch.PLANS
 
 
 @pytest.mark.skipif(CPP is None, reason="the C++ kernels could not be built")

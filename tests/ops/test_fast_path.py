@@ -1,10 +1,10 @@
-"""The op's fast path (``lightning_mrs.ops.fast_path``): which inputs take it, that every
-other input takes the general path with its checks, and that its results (output, both
-gradients, double backward) equal the float64 reference in every dtype it covers."""
+"""The op's fast path, the cheapest plan (``RowsPlan`` of ``lightning_mrs.ops.plan``): which
+inputs take it, that every other input takes another plan with every check, and that its
+results (output, both gradients, double backward) equal the float64 reference in every dtype
+it covers."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Optional
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_mrs import MRSNorm, mrs_norm
-from lightning_mrs.ops import dispatch, fast_path
+from lightning_mrs.ops import dispatch, plan
 from helpers.checks import assert_matches_reference, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
@@ -23,19 +23,17 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture
 def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """One entry per call that the fast path answered: ``True`` when through its autograd
-    Function, ``False`` for the kernel alone."""
+    """One entry per call that the fast path (the rows plan) answered: ``True`` when through the
+    autograd Function, ``False`` for the kernel alone."""
     calls: list[bool] = []
-    op = importlib.import_module("lightning_mrs.ops.mrs_norm")
-    real = op.try_rows
+    real = plan.RowsPlan.__call__
 
-    def spy(*args, **kwargs):
-        y = real(*args, **kwargs)
-        if y is not None:
-            calls.append(type(y.grad_fn).__name__ == "RowsFunctionBackward")
+    def spy(self: plan.RowsPlan, x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
+        y = real(self, x, weight, eps)
+        calls.append(type(y.grad_fn).__name__ == "MRSNormFunctionBackward")
         return y
 
-    monkeypatch.setattr(op, "try_rows", spy)
+    monkeypatch.setattr(plan.RowsPlan, "__call__", spy)
     return calls
 
 
@@ -49,7 +47,7 @@ def test_common_case_takes_the_fast_path_and_matches_the_reference(
     if w is not None and wdtype is torch.float32:
         w = w.float()  # fp32 weights beside half activations (mixed precision)
     got = grads(lambda a, b: mrs_norm(a, b), x, w, gy)
-    assert fast_calls == [True]  # autograd: the RowsFunction
+    assert fast_calls == [True]  # autograd: the Function
     assert_matches_reference(got, x, w, gy, -1, False)
     with torch.inference_mode():
         y = mrs_norm(x, w)
@@ -151,7 +149,8 @@ def test_double_backward_equals_the_reference_formulas() -> None:
         dx, dw = torch.autograd.grad(norm(x, w), (x, w), gy, create_graph=True)
         return torch.autograd.grad((dx.square().sum() + dw.square().sum()), (x, w))
 
-    got = second(lambda a, b: fast_path.RowsFunction.apply(a, b, 1e-6), x, w)
+    assert isinstance(dispatch.plan_for(x, w, 1e-6, -1, False, "auto"), plan.RowsPlan)
+    got = second(lambda a, b: mrs_norm(a, b), x, w)
     ref = second(lambda a, b: mrs_norm_ref(a, b), x.double(), w.double())
     for g, r in zip(got, ref):
         torch.testing.assert_close(g.double(), r, atol=1e-3, rtol=1e-3)

@@ -40,6 +40,7 @@ LAYOUTS = {
 DTYPES = [(torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.bfloat16, True)]
 
 
+@pytest.mark.cuda
 @runs_triton
 @pytest.mark.parametrize("dtype,affine", DTYPES, ids=[f"{d}-{a}" for d, a in DTYPES])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -47,6 +48,7 @@ def test_triton_matches_reference(layout: str, dtype: torch.dtype, affine: bool)
     check_against_reference("triton", LAYOUTS[layout], dtype, affine, device=DEVICE)
 
 
+@pytest.mark.cuda
 @runs_triton
 def test_triton_refuses_one_scale_per_sample() -> None:
     with pytest.raises(ValueError, match=r"backend='triton'.*one S per position \(spatial=False\)"):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_mrs import MRSNorm, mrs_norm
-from lightning_mrs.ops import function
+from lightning_mrs.ops import cpu_kernels, dispatch
 from helpers.checks import CPP_BUILT, assert_matches_reference, forced, grads, make_inputs
 from helpers.reference import mrs_norm_ref
 
@@ -76,7 +76,8 @@ def test_weights_are_checked_before_any_kernel(weight: str, backend: str, monkey
     def no_kernel(*args: Any) -> None:
         raise AssertionError("a kernel was reached with a bad weight")
 
-    monkeypatch.setattr(function, "get_backend", no_kernel)
+    monkeypatch.setattr(dispatch, "get_backend", no_kernel)  # every plan's backend comes through here
+    monkeypatch.setattr(cpu_kernels, "rows_forward", no_kernel)  # the rows plan calls the C++ kernels directly
     bad = {"meta": torch.ones(4, device="meta"), "int64": torch.ones(4, dtype=torch.int64),
            "wrong_shape": torch.ones(3)}[weight]
     with pytest.raises((ValueError, RuntimeError), match="mrs_norm: "):
