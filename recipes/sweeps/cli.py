@@ -31,7 +31,8 @@ _RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "-
                  ("--data.image_size", "--image-size"), ("--data.batch_size", "--batch-sizes"),
                  ("--data.dataset", "--dataset"), ("--data.root", "--root"), ("--data.val_fraction", "the split"),
                  ("--model.mrs_backend", "--mrs-backend"), ("--model.warmup_frac", "--warmup-frac"),
-                 ("--model.schedule", "--schedule"), ("--trainer.precision", "--precision"))
+                 ("--model.schedule", "--schedule"), ("--trainer.precision", "--precision"),
+                 ("--model.pretrained", "--pretrained"))
 # the recipes' fixes that name an option the sweep does not have
 _RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fraction.", ": add text to --root."),
                  (", or lower --data.seq_len.", "."))
@@ -54,7 +55,7 @@ def in_sweep_terms(message: str, kind: Optional[Sweep] = None) -> str:
     """A recipe's or data module's message with its option names replaced by this command's."""
     for recipe, ours in _RECIPE_FIXES:
         message = message.replace(recipe, ours)
-    message = re.sub(r"--data\.seq_len\b", "the sequence length", message)  # fixed per sweep kind
+    message = re.sub(r"--data\.seq_len\b", "--seq-len", message)
     for recipe, ours in _RECIPE_FLAGS:
         message = message.replace(recipe, ours)
     if kind is not None:
@@ -95,6 +96,10 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
                              for name, d in kind.datasets.items())
 
         return "(default: per sweep and dataset: " + " | ".join(f"{k.name}: {one(k)}" for k in kinds.values()) + ")"
+
+    def where_set(key: str) -> str:  # a default only some kinds have, the same for each of their datasets
+        return "(default: " + "; ".join(f"--sweep {k.name} {k.datasets[k.default_dataset][key]}" for k in kinds.values()
+                                        if key in k.datasets.get(k.default_dataset, {})) + ")"
 
     p = _OneLineParser(
         description="A stress sweep (arms x learning rates x batch sizes x seeds) through recipes/cifar100.py's "
@@ -147,9 +152,18 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
                         "CIFAR-100-shaped stand-in; language-model sweeps: stdlib (the Python standard library's "
                         "sources) or text (your UTF-8 text files in --root) "
                         + per_kind(lambda k: k.default_dataset))
-    d.add_argument("--root", default="data",
+    d.add_argument("--root",
                    help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder; "
                         "with --dataset text, the text file or folder (default: data)")
+    d.add_argument("--seq-len", type=int,
+                   help="language-model sweeps: tokens (bytes, or the --pretrained tokenizer's tokens) per window "
+                        + where_set("seq_len"))
+    d.add_argument("--pretrained",
+                   help="--sweep convert: your own checkpoint (a save_pretrained directory with its tokenizer) as the "
+                        "base model, instead of the Llama the sweep trains and caches (default: none)")
+    d.add_argument("--base-steps", type=int,
+                   help="--sweep convert: optimizer steps of the base model it trains once with its own RMSNorms "
+                        "and caches " + where_set("base_steps"))
     d.add_argument("--image-size", type=int, help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="training augmentation of the data module " + per_dataset("augment", _flag))
@@ -234,6 +248,29 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         p.error(f"--sweep {sweep.name} has no defaults for --dataset {args.dataset}; choose one of "
                 f"{list(sweep.datasets)}")
     defaults = sweep.datasets[args.dataset]
+    if args.dataset == "text" and args.root is None:
+        p.error("--dataset text needs --root FILE_OR_DIR (your UTF-8 text files)")
+    args.root = "data" if args.root is None else args.root
+    base_steps_given = args.base_steps is not None
+    for flag, key in (("--seq-len", "seq_len"), ("--base-steps", "base_steps")):
+        given = getattr(args, key)
+        if given is not None and key not in defaults:
+            p.error(f"{flag} is an option of " + " and ".join(f"--sweep {k.name}" for k in kinds.values()
+                                                              if key in k.datasets.get(k.default_dataset, {})))
+        if given is not None and given < 1:
+            p.error(f"{flag} must be >= 1, got {given}")
+        if given is None:
+            setattr(args, key, defaults.get(key))
+    if args.pretrained is not None:
+        if "base_steps" not in defaults:
+            p.error(f"--pretrained is an option of --sweep convert; --sweep {sweep.name} trains its own models")
+        for flag, value in (("--arch", args.arch), ("--arch-kwargs", args.arch_kwargs)):
+            if value is not None:
+                p.error(f"{flag} conflicts with --pretrained {args.pretrained!r}: the model is the checkpoint's; drop "
+                        f"{flag}")
+        if base_steps_given:
+            p.error(f"--base-steps trains the sweep's own base model; with --pretrained {args.pretrained!r} the "
+                    "checkpoint is the base: drop --base-steps")
     custom_arch = args.arch is not None and args.arch != defaults["arch"]
     given_kwargs = args.arch_kwargs is not None
     for key in PER_DATASET:

@@ -118,6 +118,8 @@ class Sweep:
         factors: a record or CSV row -> its factors' values (from its arm), where the row lacks them.
         aliases: a metric column's old name -> its name now: records written before a rename are read under it.
         tables: the kind's own tables beside ``results.csv`` (:class:`Table`).
+        against: what ``results.png`` plots against, for ``results.md``'s text.
+        lr_robustness: whether ``results.md`` has the learning-rate robustness section (not for a single lr).
     """
 
     name: str
@@ -160,6 +162,8 @@ class Sweep:
     factors: Callable[[Mapping[str, Any]], dict[str, str]] = field(default=_no_factors)
     aliases: Mapping[str, str] = field(default_factory=dict)
     tables: tuple[Table, ...] = ()
+    against: str = "the learning rate"
+    lr_robustness: bool = True
 
     @property
     def dest(self) -> str:

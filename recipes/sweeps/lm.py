@@ -170,7 +170,7 @@ def keep(cell: tuple[str, float, int, int], args: argparse.Namespace) -> bool:
 
 def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
     d = args.sweep.datasets[args.dataset]
-    return {"sweep": args.sweep.name, "seq_len": d["seq_len"], "val_windows": d["val_windows"],
+    return {"sweep": args.sweep.name, "seq_len": args.seq_len, "val_windows": d["val_windows"],
             "validation": f"{VALIDATIONS} times per cell (every max_steps/4 steps) unless --val-every",
             "gradient_clip_val": 1.0, "precision": args.precision or "per arm (bf16-mixed, 16-mixed with a loss "
             "scaler, 16-true, 32-true)",

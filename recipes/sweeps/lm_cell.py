@@ -113,7 +113,7 @@ def datamodule(args: argparse.Namespace, batch_size: int) -> TextDataModule:
     """The cell's text: ``stdlib`` or ``--root`` (``text``), windows of the kind's sequence length."""
     d = args.sweep.datasets[args.dataset]
     return TextDataModule(dataset=args.dataset, path=args.root if args.dataset == "text" else None,
-                          seq_len=d["seq_len"], batch_size=batch_size, val_windows=d["val_windows"],
+                          seq_len=args.seq_len, batch_size=batch_size, val_windows=d["val_windows"],
                           num_workers=args.num_workers)
 
 
@@ -124,7 +124,7 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
     half = chosen.get("norm") in HALF_NORMS  # experimental: not a --model.norm of the recipe
     model = ByteLM(arch=args.arch, config=args.arch_kwargs, mrs_backend=args.mrs_backend, lr=lr,
                    weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, schedule=args.schedule,
-                   seq_len=d["seq_len"], sample_bytes=0, **{**chosen, "norm": "none" if half else chosen["norm"]})
+                   seq_len=args.seq_len, sample_bytes=0, **{**chosen, "norm": "none" if half else chosen["norm"]})
     if half:
         with warnings.catch_warnings():  # "converted none" is check_swap's error
             warnings.simplefilter("ignore")
@@ -245,7 +245,7 @@ def _log_cell_hparams(args: argparse.Namespace, tb: RunLogger, record: dict[str,
               "batch_size": record["batch_size"], "seed": record["seed"], "arch": args.arch, "dataset": args.dataset,
               "max_steps": args.max_steps, "precision": precision, "optimizer": sweep.optimizer,
               "weight_decay": args.weight_decay, "warmup_frac": args.warmup_frac, "schedule": args.schedule,
-              "seq_len": d["seq_len"], "arch_kwargs": args.arch_kwargs or {}}
+              "seq_len": args.seq_len, "arch_kwargs": args.arch_kwargs or {}}
     metrics = {f"{FINAL}/{c}": None if record.get(c) is None else float(record[c])
                for c in (*sweep.metric_columns, *HPARAMS_METRICS)}
     log_hparams([tb], params, metrics, step=record["steps"], metric_names=list(metrics))

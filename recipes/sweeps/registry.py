@@ -5,6 +5,7 @@ A new kind: a module defining its :class:`~recipes.sweeps.kind.Sweep`, and one l
 
 from __future__ import annotations
 
+from recipes.sweeps.convert import CONVERT
 from recipes.sweeps.kind import Sweep
 from recipes.sweeps.lm import LM
 from recipes.sweeps.lmqk import LM_QK
@@ -18,6 +19,7 @@ SWEEPS: dict[str, Sweep] = {kind.name: kind for kind in (
     QK,
     LM,
     LM_QK,
+    CONVERT,
 )}
 #: the kind ``--sweep`` defaults to
 DEFAULT = NORM.name

@@ -204,7 +204,7 @@ def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any],
         "Every number below is computed by `recipes/sweeps/report.py` from `results.csv` (one row per cell: one "
         f"training run of one {kind.arm_label}, learning rate, batch size and seed)"
         + "".join(f" and `{t.name}.csv`" for t in kind.tables) + f"; `results.png` plots "
-        f"{kind.plotted} against the learning rate.",
+        f"{kind.plotted} against {kind.against}.",
         "",
         "## Setup",
         "",
@@ -220,7 +220,7 @@ def _markdown(out: Path, rows: list[Row], kind: Sweep, settings: dict[str, Any],
         "",
         *claims_markdown(claims, rule),
         *sections,
-        *rb.markdown(summaries, kind.arm_column, kind.score),
+        *(rb.markdown(summaries, kind.arm_column, kind.score) if kind.lr_robustness else []),
         *_cell_table(rows, kind),
         "Files: `results.csv` (cells), `robustness.csv`, `results.png`, "
         + "".join(f"`{t.name}.csv`, `{t.name}.png`, " for t in kind.tables)
