@@ -1,10 +1,12 @@
 """The stress sweeps: arms x learning rates x batch sizes x seeds, with computed verdicts.
 
-Four sweep kinds share the runner (:mod:`recipes.sweeps`: one module per kind, ``norm.py``, ``qk.py``,
-``lm.py``, ``lmqk.py``): ``--sweep norm`` (the default, the paper's) varies the body norm of a ResNet;
+Five sweep kinds share the runner (:mod:`recipes.sweeps`: one module per kind, ``norm.py``, ``qk.py``,
+``lm.py``, ``lmqk.py``, ``convert.py``): ``--sweep norm`` (the default, the paper's) varies the body norm of a ResNet;
 ``--sweep qk`` (after Wortsman et al. 2023, arXiv 2309.14322) varies the QK-norm of a small ViT whose
 LayerNorms stay; ``--sweep lm`` varies the body norm and the mixed precision of the byte-level Llama of
-``recipes/lm.py``; ``--sweep lm-qk`` its QK-norm. Run from the repository root:
+``recipes/lm.py``; ``--sweep lm-qk`` its QK-norm; ``--sweep convert`` swaps the RMSNorms of that Llama
+trained with them (or of ``--pretrained DIR``, your checkpoint) and measures the bpb lost and its healing.
+Run from the repository root:
 
     # offline, on a CPU: scikit-learn's handwritten digits, the defaults for that data
     # (norms layer rms mrs batch; lrs 0.03 0.1 0.3 0.4 1 3; batch sizes 32 64 128; seeds 0 1 2;
@@ -30,6 +32,13 @@ LayerNorms stay; ``--sweep lm`` varies the body norm and the mixed precision of 
     # QK-norms none layer rms mrs of the same Llama (its RMSNorms stay), bf16; lrs 0.001 0.003 0.01 0.03
     # 0.1 0.3 1; your own text: --dataset text --root FILE_OR_DIR
     python recipes/stress.py --sweep lm-qk --jobs 2
+    # what converting a trained model costs: a 2 x 64 Llama trained 600 steps per seed with its RMSNorms (cached
+    # in $LIGHTNING_MRS_CACHE/convert_base), swapped per arm (continue, mrs-inherit, mrs-calibrate, the rms
+    # control), healed 200 steps (lr 1e-3), the val bpb at step 0 and along the healing; seeds 0 1 2 (the seed sets
+    # the base model, the calibration batch and the healing data order); --seq-len N for every LM sweep
+    python recipes/stress.py --sweep convert --jobs 1
+    # on your own checkpoint (a save_pretrained directory with its tokenizer) and text
+    python recipes/stress.py --sweep convert --pretrained DIR --dataset text --root CORPUS --seq-len 256
     # on your own images (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/*), any recipe model
     python recipes/stress.py --dataset folder --root DIR --epochs 30 --arch resnet50 --image-size 64
 

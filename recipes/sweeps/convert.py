@@ -169,6 +169,7 @@ def healing_figure(rows: list[dict[str, Any]], path: Path) -> Any:
     first = min((int(r["step"]) for r in rows if int(r["step"]) > 0), default=1)
     for ax in (left, right):
         ax.set_xscale("symlog", linthresh=first)
+        ax.set_xlim(left=0)
         ax.set_xlabel("healing step (0: right after the swap)")
         ax.grid(alpha=0.3)
     handles, labels = left.get_legend_handles_labels()
