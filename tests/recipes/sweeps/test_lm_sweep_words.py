@@ -14,9 +14,9 @@ from recipes.sweeps.runner import run
     (["--arch-kwargs", '{"hiden_size": 64}'],
      "error: --arch-kwargs: llama's config has no field 'hiden_size'; did you mean 'hidden_size'"),
     (["--arch-kwargs", '{"max_position_embeddings": 16}'],
-     "error: --arch-kwargs: llama's max_position_embeddings is 16, fewer than the 64 positions of a window (the "
-     "sequence length 64): raise it or drop it (it defaults to the sequence length)."),
-    ("small folder", "error: the sequence length 64 needs at least 65 bytes in each split, but {root} (2 files, "
+     "error: --arch-kwargs: llama's max_position_embeddings is 16, fewer than the 64 positions of a window ("
+     "--seq-len 64): raise it or drop it (it defaults to --seq-len)."),
+    ("small folder", "error: --seq-len 64 needs at least 65 bytes in each split, but {root} (2 files, "
                      "16 bytes) gives training 4 and validation 12 bytes: add text to --root."),
 ])
 def test_lm_sweep_mistakes_name_the_sweeps_options(tmp_path: Path, argv: list[str] | str, expected: str,
