@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -448,17 +448,44 @@ class ByteLM(pl.LightningModule):
             return tokenizer.decode(ids[start:])
         return bytes(ids[start:]).decode("utf-8", errors="replace")
 
+    def _check_eps_in_half(self, optimizer: torch.optim.Optimizer) -> None:
+        dtypes = eps_underflows(optimizer)
+        if dtypes:
+            rank_zero_warn(f"precision {self.trainer.precision}: AdamW's eps={optimizer.defaults['eps']:g} is 0 in "
+                           f"{', '.join(str(d) for d in dtypes)}, the parameters' dtype, so every parameter entry whose "
+                           "gradient is exactly 0 (an embedding row no token of the batch uses) becomes NaN at its "
+                           "first step and the run diverges whatever its norm; train with --trainer.precision "
+                           "16-mixed (float32 weights, float16 autocast) or bf16-true (docs/results-lm.md, P1h)")
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         embeddings = {f"{name}.{p}" if name else p for name, m in self.model.named_modules()
                       if isinstance(m, nn.Embedding) for p, _ in m.named_parameters(recurse=False)}
         optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, no_decay=embeddings), lr=hp.lr,
                                       betas=tuple(hp.betas))
+        self._check_eps_in_half(optimizer)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+
+
+def eps_underflows(optimizer: torch.optim.Optimizer) -> list[torch.dtype]:
+    """The parameter dtypes of ``optimizer`` in which a group's ``eps`` rounds to 0 (AdamW's 1e-8 in float16).
+
+    There ``m / (sqrt(v) + eps)`` is 0/0 = NaN for every entry whose gradient is exactly 0 (an
+    embedding row no token of the batch uses), at its first step: pure float16 with AdamW diverges
+    for any norm (docs/results-lm.md, P1h).
+    """
+    found = []
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        for p in group["params"]:
+            if eps is not None and p.dtype.is_floating_point and p.dtype not in found \
+                    and torch.tensor(eps, dtype=p.dtype).item() == 0.0:
+                found.append(p.dtype)
+    return found
 
 
 class FSDP2Strategy(ModelParallelStrategy):

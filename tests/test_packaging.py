@@ -62,6 +62,7 @@ def test_the_wheel_installs_one_top_level_package_with_every_module(wheel: Path)
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["lightning_mrs"]
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_the_wheel_imports_beside_a_users_callbacks_module(wheel: Path, tmp_path: Path) -> None:
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -391,6 +391,7 @@ def run(devices: int, out: str = "") -> dict[str, dict[int, float]]:
                      callbacks=[AttentionMonitor(max_queries=None)], out=out)
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_ddp_gloo_matches_single_process(tmp_path: Path) -> None:
     tags, single = ddp_matches_single_process(Path(__file__).resolve(), run, tmp_path / "rank0.json", "attention/",
                                               STEPS, rel=1e-5, abs=1e-6)

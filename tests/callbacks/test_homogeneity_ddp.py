@@ -38,6 +38,7 @@ def single() -> dict[str, dict[int, float]]:
 @pytest.mark.parametrize("strategy", [
     "ddp", pytest.param("ddp_spawn", marks=pytest.mark.slow), pytest.param("ddp_fork", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_ddp_gloo_matches_single_process(tmp_path: Path, strategy: str, single: dict[str, Any]) -> None:
     out = tmp_path / "rank0.json"
     proc = run_job(Path(__file__).resolve(), strategy, str(out))

@@ -97,6 +97,7 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     assert scalars["val/top1"][0][1] == pytest.approx(torch.cat(hits).double().mean().item(), abs=1e-6)
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_ddp_two_processes_on_cpu(tmp_path: Path) -> None:
     proc = _run([*FAST, "--model.norm", "layer", "--trainer.devices", "2", "--trainer.strategy", "ddp",
                  "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path)])
@@ -130,7 +131,9 @@ SCRIPT_MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("args,needles", SCRIPT_MISTAKES, ids=["arch", "parser", "folder"])
+@pytest.mark.parametrize("args,needles", [  # one through the script in the default suite (15 s each), all with -m slow
+    pytest.param(*SCRIPT_MISTAKES[0], id="arch", marks=pytest.mark.slow), pytest.param(*SCRIPT_MISTAKES[1], id="parser"),
+    pytest.param(*SCRIPT_MISTAKES[2], id="folder", marks=pytest.mark.slow)])
 def test_mistakes_through_the_script(args: list[str], needles: list[str], tmp_path: Path,
                                      error_line: Callable[[int, str], str]) -> None:
     proc = run_script(SCRIPT, ["--trainer.default_root_dir", str(tmp_path), *args], timeout=300, warnings=True)

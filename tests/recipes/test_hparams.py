@@ -31,6 +31,7 @@ def _sessions(base: str) -> list[dict]:
     return post_json(f"{base}/data/plugin/hparams/session_groups", body).get("sessionGroups", [])
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_sweep_cells_in_the_hparams_dashboard(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = run_script(ROOT / "recipes" / "stress.py", [*GRID, "--out", str(out)], timeout=400)

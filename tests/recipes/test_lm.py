@@ -40,6 +40,23 @@ def _fit(args: list[str], monkeypatch: pytest.MonkeyPatch):
     return cli, before
 
 
+def test_adamw_eps_that_is_zero_in_float16_is_named() -> None:
+    from recipes.byte_lm import eps_underflows
+
+    embedding = nn.Embedding(256, 8)
+    assert eps_underflows(torch.optim.AdamW(embedding.parameters(), eps=1e-8)) == []
+    embedding.half()
+    assert eps_underflows(torch.optim.AdamW(embedding.parameters(), eps=1e-8)) == [torch.float16]
+    assert eps_underflows(torch.optim.AdamW(embedding.parameters(), eps=1e-4)) == []  # representable: no warning
+    assert eps_underflows(torch.optim.AdamW(nn.Embedding(4, 2).bfloat16().parameters(), eps=1e-8)) == []
+    # what the warning says happens: one step, three bytes in the batch, the other rows' zero gradients -> NaN
+    optimizer = torch.optim.AdamW(embedding.parameters(), lr=1e-3, eps=1e-8, weight_decay=0.0)
+    embedding(torch.tensor([1, 2, 3])).float().sum().backward()
+    optimizer.step()
+    bad = ~torch.isfinite(embedding.weight)
+    assert bad[[1, 2, 3]].sum() == 0 and bad.sum() == (256 - 3) * 8
+
+
 @pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
                                               ("16-mixed", torch.float16)])
 def test_fit_in_each_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str,
@@ -297,3 +314,14 @@ def test_a_swap_that_converts_nothing_is_one_line(lm_error: Callable[[list[str]]
     line = lm_error([*TINY, "--model.norm", "rms"])  # the swap's own "converted none" warning is not printed
     assert line.startswith("error: --model.norm rms: swap_norms converted none of the llama model's norm layers "
                            "(_OddNorm x1; "), line
+
+
+def test_pure_float16_with_adamw_warns_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.lm import build_cli
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+    cli = build_cli([*TINY, *OWN_NORMS, "--trainer.precision", "16-true", "--trainer.max_steps", "1",
+                     "--trainer.default_root_dir", str(tmp_path)])
+    with pytest.warns(UserWarning, match=r"AdamW's eps=1e-08 is 0 in torch.float16, the parameters' dtype"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert all(p.dtype == torch.float16 for p in cli.model.parameters())

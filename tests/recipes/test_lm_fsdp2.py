@@ -32,6 +32,7 @@ def _fsdp2_run(tmp_path: Path, precision: str, *extra: str) -> str:
     return out
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_fsdp2_in_float16_skips_an_overflow_on_every_shard(tmp_path: Path) -> None:
     out = _fsdp2_run(tmp_path, "16-mixed", "--trainer.callbacks+=helpers.fsdp2.PlantInf",
                      f"--trainer.callbacks.out={tmp_path}")

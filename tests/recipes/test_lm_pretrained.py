@@ -69,6 +69,7 @@ def test_fine_tune_export_and_reload_the_same_model(lm, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(exported).encode("import os") == tiny_tokenizer().encode("import os")
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_the_export_command_from_a_checkpoint(lm, tmp_path, capfd):
     from recipes.export_hf import run
 
@@ -85,6 +86,7 @@ def test_the_export_command_from_a_checkpoint(lm, tmp_path, capfd):
     assert "error:" in capfd.readouterr().err
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_bits_per_byte_divide_by_the_bytes_the_targets_cover(lm, tmp_path):
     """Bytes: val/bpb is val/loss / ln 2, as before. A BPE: more than one byte per token, so fewer bits per byte."""
     runs = {"bytes": ["--model.config", '{"num_hidden_layers": 1, "hidden_size": 32}'],
@@ -109,6 +111,7 @@ def _val_loss(root: Path) -> float:
     return events.Scalars("val/loss")[-1].value
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_none_fine_tunes_the_model_as_it_is(lm, tmp_path):
     source = _pretrained(tmp_path / "llama")
     status, out = _run(lm, tmp_path, "--model.pretrained", str(source), "--model.norm", "none")
@@ -128,10 +131,10 @@ def test_a_byte_model_directory_without_a_tokenizer_reads_bytes(lm, tmp_path):
     ("not-a-model", "is a directory but not a model directory (no config.json)"),
     ("no-tokenizer", "has no tokenizer, and the recipe's bytes (256 ids) cannot feed a model with a "
                      "vocabulary of 384"),
-    ("big-tokenizer", "its tokenizer has 384 tokens but the model embeds only 300"),
+    pytest.param("big-tokenizer", "its tokenizer has 384 tokens but the model embeds only 300", marks=pytest.mark.slow),
     ("config", "--model.config {{'hidden_size': 64}} conflicts with --model.pretrained"),
     ("arch", "--model.arch gpt2 conflicts with --model.pretrained"),
-    ("offline", "is not a local directory, and HF_HUB_OFFLINE=1 is set"),
+    pytest.param("offline", "is not a local directory, and HF_HUB_OFFLINE=1 is set", marks=pytest.mark.slow),
 ])
 def test_mistakes_are_one_line(lm, tmp_path, monkeypatch, case, message):
     (tmp_path / "empty").mkdir()

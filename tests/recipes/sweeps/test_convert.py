@@ -161,6 +161,7 @@ def _pretrained(path: Path) -> Path:
     return save_tokenizer(path)
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_convert_on_your_own_checkpoint_and_text(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     source = _pretrained(tmp_path / "llama")
     out = tmp_path / "out"

@@ -51,6 +51,7 @@ def test_norm_sweep_on_an_image_folder(folder: Path, tmp_path: Path) -> None:
                                                            "root": str(folder)}
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_qk_sweep_on_a_folder_sizes_the_vit_from_the_data(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "qk"
     small = '{"patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2}'  # no img_size: --image-size sets it
@@ -62,6 +63,7 @@ def test_qk_sweep_on_a_folder_sizes_the_vit_from_the_data(folder: Path, tmp_path
     assert row["qk_norm"] == "mrs" and row["num_classes"] == "3" and float(row["max_logit"]) > 0
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_a_folder_sweep_needs_a_budget_and_a_folder(tmp_path: Path, error_line: Callable[[int, str], str]) -> None:
     proc = _run(["--dataset", "folder", "--root", str(tmp_path), "--out", str(tmp_path / "x")], timeout=60)
     assert "--epochs or --max-steps is required for --dataset folder" in error_line(proc.returncode, proc.stderr)

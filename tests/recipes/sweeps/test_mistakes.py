@@ -34,8 +34,10 @@ _run = partial(run_script, SCRIPT, timeout=300)
 
 @pytest.mark.parametrize("argv,message", [
     (["--batch-sizes", "0"], "--batch-sizes must all be >= 1, got 0"),
-    (["--batch-sizes", "32", "5000"], "--batch-sizes 5000: larger than the 1438 training images of --dataset digits"),
-    (["--arch", "resnet19"], "--arch 'resnet19': neither a torchvision classification model nor a timm model"),
+    pytest.param(["--batch-sizes", "32", "5000"],
+                 "--batch-sizes 5000: larger than the 1438 training images of --dataset digits", marks=pytest.mark.slow),
+    pytest.param(["--arch", "resnet19"], "--arch 'resnet19': neither a torchvision classification model nor a timm model",
+                 marks=pytest.mark.slow),
     (["--arch", "timm:vit_tiny_patch16_224"],
      "--arch 'timm:vit_tiny_patch16_224' cuts 16x16 patches, larger than --image-size 8: pass --arch-kwargs "
      "'{\"patch_size\": 2}'"),
@@ -52,6 +54,7 @@ def test_a_mistake_is_one_line_in_the_sweeps_terms_and_writes_nothing(
     assert not out.exists()  # no settings.json: the corrected command may use this --out
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_a_corrected_command_resumes_into_the_same_out(tmp_path: Path, error_line: Callable[[int, str], str]) -> None:
     out = tmp_path / "sweep"
     bad = _run([*TINY[:7], "16", "5000", *TINY[8:], "--out", str(out)], warnings=True)
@@ -100,6 +103,7 @@ def test_a_locked_out_is_refused_with_the_other_process(tmp_path: Path, error_li
     assert not _overlap((0, 2), (1, 4))
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_a_stale_lock_is_reported_and_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     (out / ".locks").mkdir(parents=True)
@@ -121,6 +125,7 @@ def test_help_says_quick_is_inconclusive_and_how_the_lock_works() -> None:
            "process" in text and "reported as stale and taken over" in text
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_a_small_report_shows_the_values_and_what_was_not_swept(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     argv = ["--dataset", "digits", "--quick", "--norms", "mrs", "rms", "--lrs", "0.1", "--batch-sizes", "32",

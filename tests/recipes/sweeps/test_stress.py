@@ -31,6 +31,7 @@ GRID = ["--dataset", "digits", "--norms", "layer", "mrs", "--lrs", "0.1", "--bat
 _run = partial(run_script, SCRIPT, timeout=400)
 
 
+@pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_sweep_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _run([*GRID, "--seeds", "0", "--jobs", "1", "--out", str(out)])
