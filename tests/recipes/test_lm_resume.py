@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -74,8 +74,16 @@ def _sigint_after_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     monkeypatch.setattr(ByteLM, "on_train_batch_end", then_sigint)
 
 
+@pytest.fixture
+def ctrl_c_works() -> Iterator[None]:
+    """Python's own SIGINT handler, also when pytest runs as a background job (which starts with SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def test_ctrl_c_saves_a_checkpoint_and_the_resumed_run_ends_as_the_uninterrupted_one(
-        uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lm: LMRun) -> None:
+        uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lm: LMRun, ctrl_c_works: None) -> None:
     args = [*TINY, *STEPS, "--trainer.default_root_dir", str(tmp_path)]
     _sigint_after_step(monkeypatch, 3)
     status, out = lm(args)

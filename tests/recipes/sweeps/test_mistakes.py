@@ -64,11 +64,17 @@ def test_a_corrected_command_resumes_into_the_same_out(tmp_path: Path, error_lin
     assert [p.name for p in (out / "cells").glob("*.json")] == ["mrs_lr0.1_bs16_seed0.json"]
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, also when pytest runs as a background job (which ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _first_cell_then_ctrl_c(out: Path, jobs: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, str(SCRIPT), *TINY[:8], "--seeds", "0", "1", "2", "3", "--max-steps", "120", "--log-every", "40",
             "--mrs-backend", "eager", "--jobs", jobs, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_sigint_as_in_a_terminal)
     deadline = time.monotonic() + 240
     while not list((out / "cells").glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
