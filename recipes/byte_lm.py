@@ -47,7 +47,7 @@ from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, re
 from recipes.causal_lm import build_causal_lm, decoder_layers, head_size
 from recipes.errors import UsageError
 from recipes.lm_checks import check_swap
-from recipes.optim import optimizer_options, param_groups, warmup_cosine
+from recipes.optim import eps_underflows, optimizer_options, param_groups, warmup_cosine
 from recipes.pretrained_lm import load_pretrained
 from recipes.text_corpus import unigram_entropy
 from recipes.training import check_model_options
@@ -469,23 +469,6 @@ class ByteLM(pl.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
-
-
-def eps_underflows(optimizer: torch.optim.Optimizer) -> list[torch.dtype]:
-    """The parameter dtypes of ``optimizer`` in which a group's ``eps`` rounds to 0 (AdamW's 1e-8 in float16).
-
-    There ``m / (sqrt(v) + eps)`` is 0/0 = NaN for every entry whose gradient is exactly 0 (an
-    embedding row no token of the batch uses), at its first step: pure float16 with AdamW diverges
-    for any norm (docs/results-lm.md, P1h).
-    """
-    found = []
-    for group in optimizer.param_groups:
-        eps = group.get("eps")
-        for p in group["params"]:
-            if eps is not None and p.dtype.is_floating_point and p.dtype not in found \
-                    and torch.tensor(eps, dtype=p.dtype).item() == 0.0:
-                found.append(p.dtype)
-    return found
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -33,8 +33,8 @@ from torch import nn
 
 from recipes.errors import UsageError
 
-__all__ = ["DEFAULTS", "OPTIMIZERS", "build_optimizer", "no_decay_names", "optimizer_options", "param_groups",
-           "warmup_cosine"]
+__all__ = ["DEFAULTS", "OPTIMIZERS", "build_optimizer", "eps_underflows", "no_decay_names", "optimizer_options",
+           "param_groups", "warmup_cosine"]
 
 OPTIMIZERS = ("sgd", "adamw")
 #: per optimizer: the defaults of the options left unset (``None``) on the command line
@@ -135,3 +135,20 @@ def warmup_cosine(total: int, warmup: int, cosine: bool = True) -> Callable[[int
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def eps_underflows(optimizer: torch.optim.Optimizer) -> list[torch.dtype]:
+    """The parameter dtypes of ``optimizer`` in which a group's ``eps`` rounds to 0 (AdamW's 1e-8 in float16).
+
+    There ``m / (sqrt(v) + eps)`` is 0/0 = NaN for every entry whose gradient is exactly 0 (an
+    embedding row no token of the batch uses), at its first step: pure float16 with AdamW diverges
+    for any norm (docs/results-lm.md, P1h).
+    """
+    found = []
+    for group in optimizer.param_groups:
+        eps = group.get("eps")
+        for p in group["params"]:
+            if eps is not None and p.dtype.is_floating_point and p.dtype not in found \
+                    and torch.tensor(eps, dtype=p.dtype).item() == 0.0:
+                found.append(p.dtype)
+    return found

@@ -41,7 +41,7 @@ def _fit(args: list[str], monkeypatch: pytest.MonkeyPatch):
 
 
 def test_adamw_eps_that_is_zero_in_float16_is_named() -> None:
-    from recipes.byte_lm import eps_underflows
+    from recipes.optim import eps_underflows
 
     embedding = nn.Embedding(256, 8)
     assert eps_underflows(torch.optim.AdamW(embedding.parameters(), eps=1e-8)) == []
