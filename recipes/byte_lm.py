@@ -2,7 +2,7 @@
 
 :class:`ByteLM` is what ``recipes/lm.py`` trains (its command line) and what the LM stress sweeps
 (:mod:`recipes.sweeps.lm_cell`) train cell by cell. The model is built in one place,
-:func:`build_byte_model`: from a config (:mod:`recipes.causal_lm`, checked before any weight
+:func:`recipes.lm_model.build_byte_model`: from a config (:mod:`recipes.causal_lm`, checked before any weight
 exists; bytes are the tokens) or from a pretrained checkpoint (``pretrained``,
 :mod:`recipes.pretrained_lm`; its tokenizer's tokens), then the norm swap and its check.
 
@@ -29,7 +29,6 @@ import inspect
 import math
 import os
 import time
-import warnings
 from contextlib import nullcontext
 from typing import Any, Literal, Optional
 
@@ -42,13 +41,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_mrs import MRSNorm, SwapOptions, SwapReport, swap_norms
 from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, read_metadata
-from recipes.causal_lm import build_causal_lm, decoder_layers, head_size
+from recipes.causal_lm import decoder_layers
 from recipes.errors import UsageError
-from recipes.lm_checks import check_swap
+from recipes.lm_model import build_byte_model
 from recipes.optim import eps_underflows, optimizer_options, param_groups, warmup_cosine
-from recipes.pretrained_lm import load_pretrained
 from recipes.text_corpus import unigram_entropy
 from recipes.training import check_model_options
 
@@ -60,44 +57,6 @@ DEFAULT_PROMPT = "def __init__(self"
 CURVE = "bpb"
 #: the run beside the model's (``<run>/unigram``) that draws the unigram baselines on the curve's charts
 UNIGRAM_RUN = "unigram"
-
-
-def build_byte_model(arch: str, config: Optional[dict[str, Any]], norm: str, qk_norm: str, mrs_backend: str,
-                     seq_len: int, attn_implementation: Optional[str] = None,
-                     pretrained: Optional[str] = None) -> tuple[nn.Module, Optional[SwapReport]]:
-    """The model and its swap report: ``arch``'s config with ``config`` (checked) and random weights,
-    or the ``pretrained`` checkpoint; its norms swapped to ``norm`` (``none``: kept) with a ``qk_norm``
-    QK-norm added, and every MRSNorm on ``mrs_backend``.
-
-    Raises:
-        UsageError: a config :func:`recipes.causal_lm.build_config` refuses, a pretrained checkpoint
-            :func:`recipes.pretrained_lm.load_pretrained` cannot load, an MRS QK-norm on heads of odd
-            width, or a swap that converts nothing (:func:`recipes.lm_checks.check_swap`).
-    """
-    if pretrained is not None:
-        model = load_pretrained(pretrained, seq_len, attn_implementation)
-        arch = model.config.model_type
-    else:
-        model = build_causal_lm(arch, config, seq_len, attn_implementation)
-    hf_config = getattr(model, "config", None)
-    width = head_size(hf_config) if hf_config is not None else None
-    if qk_norm == "mrs" and width is not None and width % 2:
-        raise UsageError(f"--model.qk_norm mrs: MRSNorm pairs each head's channels into phasors, and the {arch} "
-                         f"model's attention heads are {width} wide (odd); give an even head_dim (or hidden_size / "
-                         "num_attention_heads) in --model.config, or --model.qk_norm rms or layer.")
-    report = None
-    if norm != "none" or qk_norm != "none":
-        options = SwapOptions(None if norm == "none" else norm, qk_norm=None if qk_norm == "none" else qk_norm)
-        with warnings.catch_warnings(record=True) as caught:  # "converted none" is the error below
-            warnings.simplefilter("always")
-            report = swap_norms(model, options)
-        check_swap(model, arch, norm, qk_norm, report)
-        for w in caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    for module in model.modules():
-        if isinstance(module, MRSNorm):
-            module.backend = mrs_backend
-    return model, report
 
 
 class ByteLM(pl.LightningModule):
@@ -160,8 +119,8 @@ class ByteLM(pl.LightningModule):
             raise UsageError(f"--model.config {config} conflicts with --model.pretrained {pretrained!r}: the model's "
                              "config is the checkpoint's; drop --model.config.")
         if pretrained is not None and arch != "llama":
-            raise UsageError(f"--model.arch {arch} conflicts with --model.pretrained {pretrained!r}: the architecture is "
-                             "the checkpoint's; drop --model.arch.")
+            raise UsageError(f"--model.arch {arch} conflicts with --model.pretrained {pretrained!r}: the "
+                             "architecture is the checkpoint's; drop --model.arch.")
         check_model_options(norm=norm, norms=NORMS, qk_norm=qk_norm, schedule=schedule, warmup_frac=warmup_frac,
                             mrs_backend=mrs_backend)
         if sample_bytes < 0 or (sample_bytes and not prompt):
@@ -434,7 +393,10 @@ class ByteLM(pl.LightningModule):
         """The greedy continuation of ``prompt``: ``length`` bytes decoded as UTF-8 with replacement, or
         ``length`` tokens of the data's tokenizer."""
         tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None) if self._trainer else None
-        ids = tokenizer.encode(prompt, add_special_tokens=False) if tokenizer is not None else list(prompt.encode("utf-8"))
+        if tokenizer is not None:
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt.encode("utf-8"))
         start = len(ids)
         context = self.trainer.precision_plugin.forward_context() if self._trainer is not None else nullcontext()
         was_training = self.training
@@ -451,8 +413,9 @@ class ByteLM(pl.LightningModule):
     def _check_eps_in_half(self, optimizer: torch.optim.Optimizer) -> None:
         dtypes = eps_underflows(optimizer)
         if dtypes:
+            names = ", ".join(str(d) for d in dtypes)
             rank_zero_warn(f"precision {self.trainer.precision}: AdamW's eps={optimizer.defaults['eps']:g} is 0 in "
-                           f"{', '.join(str(d) for d in dtypes)}, the parameters' dtype, so every parameter entry whose "
+                           f"{names}, the parameters' dtype, so every parameter entry whose "
                            "gradient is exactly 0 (an embedding row no token of the batch uses) becomes NaN at its "
                            "first step and the run diverges whatever its norm; train with --trainer.precision "
                            "16-mixed (float32 weights, float16 autocast) or bf16-true (docs/results-lm.md, P1h)")
@@ -468,7 +431,8 @@ class ByteLM(pl.LightningModule):
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"}}
+        schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -74,9 +74,10 @@ class ExportHF(Callback):
             rank_zero_info("export: the model is sharded (FSDP2); export it from the checkpoint: python "
                            "recipes/export_hf.py <run>/checkpoints/last.ckpt <out_dir>")
             return
+        # trainer.log_dir broadcasts from rank 0, so every rank must ask for it, not rank 0 alone
+        root = self.path or os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
         if not trainer.is_global_zero:
             return
-        root = self.path or os.path.join(trainer.log_dir or trainer.default_root_dir, "hf")
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None)
         self.written = export(pl_module, root, tokenizer)
         rank_zero_info(f"export: {self.written} (load it with lightning_mrs.from_pretrained({str(self.written)!r}))")

@@ -3,7 +3,8 @@
 // Compiled on first use by lightning_mrs/ops/cpu_kernels.py (the system C++ compiler, OpenMP,
 // -O3 -march=native) and called through ctypes; lightning_mrs/ops/torch_kernels.py holds
 // the same maths in plain torch (the reference the tests compare against). The float <->
-// half conversions and the row buffers are in cpu_half.h.
+// half conversions and the row buffers are in cpu_half.h; the row kernels of an AVX2 build
+// in cpu_avx2.h.
 //
 // Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
 // reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
@@ -31,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_avx2.h"
 #include "cpu_half.h"
 
 namespace {
@@ -86,6 +88,13 @@ template <typename T>
 constexpr int64_t row_block(int64_t C) {
   return std::is_same_v<T, float> ? C : kBlock;
 }
+
+#if defined(MRS_AVX2)  // an AVX2 build without AVX-512: the kernels of cpu_avx2.h
+using mrs::avx2::bwd_rows;
+using mrs::avx2::bwd_sample;
+using mrs::avx2::fwd_rows;
+using mrs::avx2::fwd_sample;
+#else
 
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
 // innermost loops carry no branch (w = 1 without a weight, which is exact).
@@ -200,6 +209,7 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
   }
   dwb.reduce(dw);
 }
+
 
 // ---- positions contiguous, one S per sample --------------------------------------------
 // Here every loop runs over contiguous positions, where the half conversions vectorise in
@@ -346,6 +356,8 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
   }
   dwb.reduce(dw);
 }
+
+#endif  // MRS_AVX2
 
 }  // namespace
 

@@ -45,7 +45,7 @@ __all__ = ["NAME", "available", "backward", "build_error", "build_flags", "forwa
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
-HEADERS = (SOURCE.with_name("cpu_half.h"),)  # what SOURCE includes: part of the cache key
+HEADERS = (SOURCE.with_name("cpu_half.h"), SOURCE.with_name("cpu_avx2.h"))  # what SOURCE includes: the cache key
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _WKIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the weight's dtype for the kernels
 #: Elements per thread below which a call runs on one thread: waking an OpenMP team costs

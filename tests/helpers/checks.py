@@ -39,6 +39,7 @@ LAYOUTS = {
     # shapes that stress the C++ loops: one phasor, a SIMD tail, a wide row, no positions
     "one_phasor": ((9, 2), -1, False, None),
     "odd_phasors": ((1, 3, 30), -1, False, None),
+    "simd_tails": ((4, 3, 54), -1, False, None),  # AVX2 rows: a 32-, a 16-, an 8-channel step, then 3 pairs
     "wide_row": ((3, 4098), -1, False, None),
     "ncl_per_sample": ((2, 10, 13), 1, True, None),
     "ncdhw_per_sample": ((2, 6, 3, 1, 5), 1, True, None),

@@ -16,7 +16,7 @@ import torch
 
 from lightning_mrs import mrs_norm
 from lightning_mrs.ops import cpu_kernels, dispatch, which_backend
-from helpers.checks import check_against_reference, forced, grads, make_inputs, needs_cpp
+from helpers.checks import LAYOUTS, check_against_reference, forced, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
 pytestmark = needs_cpp
@@ -51,16 +51,20 @@ def test_build_is_cached_on_disk_and_reused(fresh_build: Path, monkeypatch: pyte
 def test_an_edited_header_is_a_new_build(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # the kernels include cpu_half.h: a library built from an older header must not be loaded
+    # the kernels include cpu_half.h and cpu_avx2.h: a library built from an older header must not be loaded
+    assert {h.name for h in cpu_kernels.HEADERS} == {"cpu_half.h", "cpu_avx2.h"}
+    headers = cpu_kernels.HEADERS
     assert cpu_kernels.available()
-    first = {p.name for p in fresh_build.iterdir()}
-    (header,) = cpu_kernels.HEADERS
-    edited = tmp_path_factory.mktemp("edited") / header.name
-    edited.write_text(header.read_text() + "\n// edited\n")
-    monkeypatch.setattr(cpu_kernels, "HEADERS", (edited,))
-    cpu_kernels._STATE.clear()
-    assert cpu_kernels.available()
-    assert len({p.name for p in fresh_build.iterdir()} - first) == 1
+    seen = {p.name for p in fresh_build.iterdir()}
+    for i, header in enumerate(headers):
+        edited = tmp_path_factory.mktemp("edited") / header.name
+        edited.write_text(header.read_text() + "\n// edited\n")
+        monkeypatch.setattr(cpu_kernels, "HEADERS", (*headers[:i], edited, *headers[i + 1:]))
+        cpu_kernels._STATE.clear()
+        assert cpu_kernels.available()
+        now = {p.name for p in fresh_build.iterdir()}
+        assert len(now - seen) == 1, header.name
+        seen = now
 
 
 def test_no_compiler_falls_back_with_one_warning_and_a_clear_error(
@@ -207,3 +211,49 @@ def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) ->
     assert "-march=native" in native and "-march=native" not in portable
     monkeypatch.setenv("LIGHTNING_MRS_CPU_NATIVE", "0")
     assert cpu_kernels._flag_sets() == [portable]
+
+
+def test_the_native_and_portable_builds_agree(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # -march=native on an AVX2 CPU without AVX-512 builds the kernels of cpu_avx2.h, the portable build the
+    # generic loops of cpu_kernels.cpp (elsewhere both are the generic loops): the same maths, sums in another order
+    cases = [(KERNELS[k], dtype, affine) for k in KERNELS for dtype in (torch.float32, torch.bfloat16, torch.float16)
+             for affine in (True, False)]
+    cases += [(LAYOUTS["simd_tails"][:3], torch.bfloat16, True), (LAYOUTS["odd_phasors"][:3], torch.float16, True)]
+
+    def run_all() -> list[tuple]:
+        dispatch.clear_cache()
+        out = []
+        for (shape, channel_dim, spatial), dtype, affine in cases:
+            x, w, gy = make_inputs(shape, channel_dim, None, dtype, affine=affine)
+            out.append(grads(forced("cpp", channel_dim, spatial), x, w, gy))
+        return out
+
+    assert cpu_kernels.available()
+    native = run_all()
+    portable_flags = cpu_kernels._flag_sets()[1]
+    monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [portable_flags])
+    cpu_kernels._STATE.clear()
+    assert cpu_kernels.available() and "-march=native" not in cpu_kernels.build_flags()
+    portable = run_all()
+    for (_, dtype, _), ours, theirs in zip(cases, native, portable):
+        # float32: a few ulps of the largest value (measured: 6e-7 of it); half outputs: an ulp or two
+        tol = 4e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+        for a, b in zip(ours, theirs):
+            if a is not None or b is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_nan_input_gives_nan_in_its_group_only(kernel: str, dtype: torch.dtype) -> None:
+    # a NaN makes its group's S NaN: that group's outputs are NaN (the half stores keep NaN, none rounds it to inf or a
+    # number) and every other group is untouched, as in the float64 reference
+    shape, channel_dim, spatial = KERNELS[kernel]
+    x, w, _ = make_inputs(shape, channel_dim, None, dtype)
+    x.view(-1)[x.numel() // 2] = float("nan")
+    y = forced("cpp", channel_dim, spatial)(x, w)
+    ref = mrs_norm_ref(x, w, channel_dim=channel_dim, spatial=spatial)
+    assert y.isnan().any() and torch.equal(y.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(y[ok].double(), ref[ok], rtol=4 * eps, atol=4 * eps)

@@ -224,7 +224,8 @@ def test_binary_file_in_the_folder_is_one_line(lm_error: Callable[[list[str]], s
 def test_transformers_missing_names_the_extra(lm_error: Callable[[list[str]], str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
     line = lm_error(TINY)
     assert 'transformers is not installed: pip install -e ".[hf]"' in line, line
 
@@ -260,7 +261,10 @@ def _multi_process(tmp_path: Path, strategy: str) -> str:
 
 @pytest.mark.slow
 def test_ddp_on_two_cpu_processes(tmp_path: Path) -> None:
-    _multi_process(tmp_path, "ddp")
+    out = _multi_process(tmp_path, "ddp")
+    # the export at the end of fit asks every rank for the log dir (a broadcast), then rank 0 writes
+    exported = list(tmp_path.rglob("hf/config.json"))
+    assert len(exported) == 1 and "export: " in out, out[-2000:]
 
 
 @pytest.mark.parametrize("kind", ["mrs", "rms"])
@@ -305,12 +309,12 @@ def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.
 
 def test_a_swap_that_converts_nothing_is_one_line(lm_error: Callable[[list[str]], str],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import recipes.byte_lm
+    import recipes.lm_model
 
     def odd_model(*args, **kwargs) -> nn.Module:
         return nn.Sequential(nn.Embedding(256, 8), _OddNorm(), nn.Linear(8, 256))
 
-    monkeypatch.setattr(recipes.byte_lm, "build_causal_lm", odd_model)
+    monkeypatch.setattr(recipes.lm_model, "build_causal_lm", odd_model)
     line = lm_error([*TINY, "--model.norm", "rms"])  # the swap's own "converted none" warning is not printed
     assert line.startswith("error: --model.norm rms: swap_norms converted none of the llama model's norm layers "
                            "(_OddNorm x1; "), line

@@ -1,0 +1,344 @@
+// The kernels of cpu_kernels.cpp written for AVX2 (8 float lanes): built where the compiler
+// targets AVX2, FMA and F16C without AVX-512 (-march=native on such a CPU); an AVX-512 build,
+// and any other, keeps the generic loops of cpu_kernels.cpp. Included by cpu_kernels.cpp only;
+// part of the build's cache key (lightning_mrs/ops/cpu_kernels.py).
+//
+// Why: on AVX2 the generic loops' compute, not memory, set the time of bfloat16/float16 rows (a
+// float32 row of the same shape took about as long). The row loops read a phasor's two channels
+// with stride 2, so the compiler deinterleaves them (vpermd + blends per vector), and half rows
+// go through float32 buffers. Here every load and store is contiguous and the half conversions
+// happen in registers (bfloat16: a shift; float16: F16C). In the rows the pairs stay inside a
+// vector: hadd of two vectors of squares gives 8 pair sums, one sqrt and one divide serve 16
+// channels, and unpacklo/unpackhi spread each pair's value back over its two lanes.
+// Same maths and the same float32 accumulation as the generic kernels; the sums run in another
+// order (tests: the float64 reference, and the portable build against this one).
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define MRS_AVX2 1
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_half.h"
+
+namespace mrs::avx2 {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {  // the bits moved up: exact
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const f16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(f16* p, __m256 v) {  // nearest even, like st(f16*)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound));
+}
+// bfloat16 bits of 8 floats in 8 x uint32 lanes: nearest even, NaN stays NaN (st(bf16*) on 8 lanes)
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i top = _mm256_srli_epi32(u, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(top, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7fff));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  const __m256i nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));  // quiet, sign and payload kept
+  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store8(bf16* p, __m256 v) {
+  const __m256i r = bf16_bits(v);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+// 16 values at once: one pack and one 32-byte store
+template <typename T>
+inline void store16(T* p, __m256 a, __m256 b) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));  // lanes [a0-3 b0-3 | a4-7 b4-7]
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+  } else {
+    store8(p, a);
+    store8(p + 8, b);
+  }
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// The 8 pair sums of squares of 16 channels: lanes [a01 a23 b01 b23 | a45 a67 b45 b67].
+inline __m256 pair_squares(__m256 a, __m256 b) {
+  return _mm256_hadd_ps(_mm256_mul_ps(a, a), _mm256_mul_ps(b, b));
+}
+
+// The per-phasor gain (P,) spread over the channels (C,): every loop here runs over channels.
+inline std::vector<float> per_channel(const float* w, int64_t C) {
+  std::vector<float> w2(w ? C : 0);
+  for (int64_t c = 0; c < static_cast<int64_t>(w2.size()); ++c) w2[c] = w[c / 2];
+  return w2;
+}
+
+template <typename T, bool kAffine>
+void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
+              float eps, int nt) {
+  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
+  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
+  const float* wc = w2.data();
+  const __m256 ve = _mm256_set1_ps(eps);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+  for (int64_t a = 0; a < G; ++a) {
+    float s = 0.f;  // row by row: short float sums, then their total
+    for (int64_t l = 0; l < L; ++l) {
+      const T* xr = x + (a * L + l) * C;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      int64_t c = 0;
+      for (; c + 32 <= C; c += 32) {  // two chains: the adds' latency stays hidden
+        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c), load8(xr + c + 8)), ve)));
+        acc1 = _mm256_add_ps(acc1, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c + 16), load8(xr + c + 24)), ve)));
+      }
+      for (; c + 16 <= C; c += 16)
+        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c), load8(xr + c + 8)), ve)));
+      float sr = hsum(_mm256_add_ps(acc0, acc1));
+      for (; c < C; c += 2) {
+        const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]);
+        sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
+      }
+      s += sr;
+    }
+    if (rsum) rsum[a] = s;
+    const float inv = n_pairs / s;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t l = 0; l < L; ++l) {
+      const T* xr = x + (a * L + l) * C;
+      T* yr = y + (a * L + l) * C;
+      int64_t c = 0;
+      for (; c + 16 <= C; c += 16) {
+        const __m256 m0 = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c)) : vinv;
+        const __m256 m1 = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c + 8)) : vinv;
+        store16(yr + c, _mm256_mul_ps(load8(xr + c), m0), _mm256_mul_ps(load8(xr + c + 8), m1));
+      }
+      for (; c + 8 <= C; c += 8) {
+        const __m256 m = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c)) : vinv;
+        store8(yr + c, _mm256_mul_ps(load8(xr + c), m));
+      }
+      for (; c < C; ++c) st(yr + c, ld(xr[c]) * (kAffine ? inv * wc[c] : inv));
+    }
+  }
+}
+
+template <typename T, bool kAffine, bool kDw>
+void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
+              int64_t G, int64_t L, int64_t C, float eps, int nt) {
+  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
+  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
+  const float* wc = w2.data();
+  // per-thread, per-channel weight-gradient rows (nt, C): pairs are summed once, at the end
+  std::vector<float> dw_acc(kDw ? static_cast<size_t>(nt) * C : 0, 0.f);
+  const __m256 ve = _mm256_set1_ps(eps);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    float* my = kDw ? dw_acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < G; ++a) {
+      const float inv_s = n_pairs / rsum[a];
+      float csum = 0.f;  // sum_k w g x over the group, row by row
+      for (int64_t l = 0; l < L; ++l) {
+        const T* xr = x + (a * L + l) * C;
+        const T* gr = g + (a * L + l) * C;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+          __m256 g0 = load8(gr + c), g1 = load8(gr + c + 8);
+          if constexpr (kAffine) {
+            g0 = _mm256_mul_ps(g0, _mm256_loadu_ps(wc + c));
+            g1 = _mm256_mul_ps(g1, _mm256_loadu_ps(wc + c + 8));
+          }
+          acc0 = _mm256_fmadd_ps(g0, load8(xr + c), acc0);
+          acc1 = _mm256_fmadd_ps(g1, load8(xr + c + 8), acc1);
+        }
+        float cr = hsum(_mm256_add_ps(acc0, acc1));
+        for (; c < C; ++c) cr += (kAffine ? wc[c] : 1.f) * ld(gr[c]) * ld(xr[c]);
+        csum += cr;
+      }
+      const float k = csum * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
+      const __m256 vk = _mm256_set1_ps(k), vinv = _mm256_set1_ps(inv_s);
+      for (int64_t l = 0; l < L; ++l) {
+        const T* xr = x + (a * L + l) * C;
+        const T* gr = g + (a * L + l) * C;
+        T* dr = dx + (a * L + l) * C;
+        int64_t c = 0;
+        for (; c + 16 <= C; c += 16) {
+          const __m256 x0 = load8(xr + c), x1 = load8(xr + c + 8);
+          const __m256 g0 = load8(gr + c), g1 = load8(gr + c + 8);
+          // k / r of 8 pairs, then each pair's value over its two channels
+          const __m256 kr = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(x0, x1), ve)));
+          const __m256 kr0 = _mm256_unpacklo_ps(kr, kr), kr1 = _mm256_unpackhi_ps(kr, kr);
+          const __m256 m0 = kAffine ? _mm256_mul_ps(_mm256_loadu_ps(wc + c), vinv) : vinv;
+          const __m256 m1 = kAffine ? _mm256_mul_ps(_mm256_loadu_ps(wc + c + 8), vinv) : vinv;
+          store16(dr + c, _mm256_fmsub_ps(g0, m0, _mm256_mul_ps(kr0, x0)), _mm256_fmsub_ps(g1, m1, _mm256_mul_ps(kr1, x1)));
+          if constexpr (kDw) {
+            _mm256_storeu_ps(my + c, _mm256_fmadd_ps(_mm256_mul_ps(g0, x0), vinv, _mm256_loadu_ps(my + c)));
+            _mm256_storeu_ps(my + c + 8, _mm256_fmadd_ps(_mm256_mul_ps(g1, x1), vinv, _mm256_loadu_ps(my + c + 8)));
+          }
+        }
+        for (; c < C; c += 2) {
+          const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]), g0 = ld(gr[c]), g1 = ld(gr[c + 1]);
+          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
+          const float m = kAffine ? wc[c] * inv_s : inv_s;
+          st(dr + c, g0 * m - kr * x0);
+          st(dr + c + 1, g1 * m - kr * x1);
+          if constexpr (kDw) {
+            my[c] += g0 * x0 * inv_s;
+            my[c + 1] += g1 * x1 * inv_s;
+          }
+        }
+      }
+    }
+  }
+  if constexpr (kDw) {
+    for (int64_t p = 0; p < C / 2; ++p) {
+      float s = 0.f;
+      for (int t = 0; t < nt; ++t) s += dw_acc[t * C + 2 * p] + dw_acc[t * C + 2 * p + 1];
+      dw[p] = s;
+    }
+  }
+}
+
+// ---- positions contiguous, one S per sample: (A, C, L) ---------------------------------
+// The generic loops convert bfloat16 in the loop (the compiler's shifts and packs) and float16
+// through buffers; here both convert in registers, 8 positions at a time.
+template <typename T>
+void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_t C, int64_t L,
+                float eps, int nt) {
+  const int64_t P = C / 2;
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  const __m256 ve = _mm256_set1_ps(eps);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+  for (int64_t a = 0; a < A; ++a) {
+    const T* xa = x + a * C * L;
+    T* ya = y + a * C * L;
+    float s = 0.f;  // pair by pair: short float sums, then their total
+    for (int64_t p = 0; p < P; ++p) {
+      const T* u = xa + 2 * p * L;
+      const T* v = u + L;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      int64_t l = 0;
+      for (; l + 16 <= L; l += 16) {
+        const __m256 u0 = load8(u + l), v0 = load8(v + l), u1 = load8(u + l + 8), v1 = load8(v + l + 8);
+        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
+        acc1 = _mm256_add_ps(acc1, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u1, u1, _mm256_mul_ps(v1, v1)), ve)));
+      }
+      for (; l + 8 <= L; l += 8) {
+        const __m256 u0 = load8(u + l), v0 = load8(v + l);
+        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
+      }
+      float sp = hsum(_mm256_add_ps(acc0, acc1));
+      for (; l < L; ++l) {
+        const float ul = ld(u[l]), vl = ld(v[l]);
+        sp += std::sqrt(ul * ul + vl * vl + eps);
+      }
+      s += sp;
+    }
+    if (rsum) rsum[a] = s;
+    const float inv = n_pairs / s;
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const float m = w ? inv * w[ch / 2] : inv;
+      const __m256 vm = _mm256_set1_ps(m);
+      const T* xr = xa + ch * L;
+      T* yr = ya + ch * L;
+      int64_t l = 0;
+      for (; l + 16 <= L; l += 16)
+        store16(yr + l, _mm256_mul_ps(load8(xr + l), vm), _mm256_mul_ps(load8(xr + l + 8), vm));
+      for (; l + 8 <= L; l += 8) store8(yr + l, _mm256_mul_ps(load8(xr + l), vm));
+      for (; l < L; ++l) st(yr + l, ld(xr[l]) * m);
+    }
+  }
+}
+
+template <typename T>
+void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
+                int64_t A, int64_t C, int64_t L, float eps, int nt) {
+  const int64_t P = C / 2;
+  const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
+  std::vector<float> dw_acc(dw ? static_cast<size_t>(nt) * P : 0, 0.f);  // per-thread rows (nt, P)
+  const __m256 ve = _mm256_set1_ps(eps);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    float* my = dw ? dw_acc.data() + static_cast<size_t>(omp_get_thread_num()) * P : nullptr;
+    std::vector<float> gxs(C);  // per channel sum_l g x / S of this sample
+#pragma omp for schedule(static)
+    for (int64_t a = 0; a < A; ++a) {
+      const T* xa = x + a * C * L;
+      const T* ga = g + a * C * L;
+      T* da = dx + a * C * L;
+      const float inv_s = n_pairs / rsum[a];
+      float cs = 0.f;  // c / S = sum_k w g x / S
+      for (int64_t ch = 0; ch < C; ++ch) {
+        const T* xr = xa + ch * L;
+        const T* gr = ga + ch * L;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= L; l += 16) {
+          acc0 = _mm256_fmadd_ps(load8(gr + l), load8(xr + l), acc0);
+          acc1 = _mm256_fmadd_ps(load8(gr + l + 8), load8(xr + l + 8), acc1);
+        }
+        for (; l + 8 <= L; l += 8) acc0 = _mm256_fmadd_ps(load8(gr + l), load8(xr + l), acc0);
+        float t = hsum(_mm256_add_ps(acc0, acc1));
+        for (; l < L; ++l) t += ld(gr[l]) * ld(xr[l]);
+        gxs[ch] = t * inv_s;
+        cs += (w ? w[ch / 2] : 1.f) * gxs[ch];
+      }
+      const float k = cs * inv_s / n_pairs;  // dx = w g / S - k x / r
+      const __m256 vk = _mm256_set1_ps(k);
+      for (int64_t p = 0; p < P; ++p) {
+        const float m = (w ? w[p] : 1.f) * inv_s;
+        const __m256 vm = _mm256_set1_ps(m);
+        const int64_t o0 = 2 * p * L, o1 = o0 + L;  // the pair's two channels
+        const T *u = xa + o0, *v = xa + o1, *gu = ga + o0, *gv = ga + o1;
+        T *du = da + o0, *dv = da + o1;
+        int64_t l = 0;
+        for (; l + 16 <= L; l += 16) {
+          const __m256 u0 = load8(u + l), v0 = load8(v + l), u1 = load8(u + l + 8), v1 = load8(v + l + 8);
+          const __m256 kr0 = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
+          const __m256 kr1 = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u1, u1, _mm256_mul_ps(v1, v1)), ve)));
+          store16(du + l, _mm256_fmsub_ps(load8(gu + l), vm, _mm256_mul_ps(kr0, u0)),
+                  _mm256_fmsub_ps(load8(gu + l + 8), vm, _mm256_mul_ps(kr1, u1)));
+          store16(dv + l, _mm256_fmsub_ps(load8(gv + l), vm, _mm256_mul_ps(kr0, v0)),
+                  _mm256_fmsub_ps(load8(gv + l + 8), vm, _mm256_mul_ps(kr1, v1)));
+        }
+        for (; l + 8 <= L; l += 8) {
+          const __m256 ul = load8(u + l), vl = load8(v + l);
+          const __m256 r = _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(ul, ul, _mm256_mul_ps(vl, vl)), ve));
+          const __m256 kr = _mm256_div_ps(vk, r);
+          store8(du + l, _mm256_fmsub_ps(load8(gu + l), vm, _mm256_mul_ps(kr, ul)));
+          store8(dv + l, _mm256_fmsub_ps(load8(gv + l), vm, _mm256_mul_ps(kr, vl)));
+        }
+        for (; l < L; ++l) {
+          const float ul = ld(u[l]), vl = ld(v[l]);
+          const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
+          st(du + l, ld(gu[l]) * m - kr * ul);
+          st(dv + l, ld(gv[l]) * m - kr * vl);
+        }
+      }
+      if (my)
+        for (int64_t p = 0; p < P; ++p) my[p] += gxs[2 * p] + gxs[2 * p + 1];
+    }
+  }
+  if (dw) {
+    for (int64_t p = 0; p < P; ++p) {
+      float s = 0.f;
+      for (int t = 0; t < nt; ++t) s += dw_acc[t * P + p];
+      dw[p] = s;
+    }
+  }
+}
+
+}  // namespace mrs::avx2
+
+#endif
