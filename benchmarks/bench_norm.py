@@ -18,6 +18,12 @@ Usage::
     python benchmarks/bench_norm.py --dtype float32 bfloat16 float16  # one table, every dtype
     python benchmarks/bench_norm.py --quick --dtype all              # a few minutes
     python benchmarks/bench_norm.py --malloc keep  # freed memory reused: no page faults
+    python benchmarks/bench_norm.py --cpu-kernels avx2 generic  # both C++ kernel sets, one row each
+
+``--cpu-kernels`` adds, to every case, a row of the default module for each named kernel set
+of the C++ kernels (``lightning_mrs.ops.cpu_kernels.KERNEL_SETS``: ``avx2`` = ``cpu_avx2.h``,
+``generic`` = the compiler-vectorised loops), interleaved with the rest: on an AVX-512 CPU,
+where ``auto`` builds the generic loops, it measures whether the AVX2 kernels would be faster.
 
 Page faults: every call allocates its outputs (``y``, then ``dx``), tens of MiB here. glibc's
 malloc hands such blocks back to the OS when they are freed (``mmap`` above its threshold,
@@ -53,6 +59,7 @@ from interleave import round_orders  # noqa: E402 - the sibling helper
 from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm, MRSNorm2d  # noqa: E402
+from lightning_mrs.ops import cpu_kernels  # noqa: E402
 
 try:  # timm is a project dependency; keep the script usable without it
     from timm.layers import LayerNorm2d
@@ -74,9 +81,13 @@ def saved_bytes(module: nn.Module, x: Tensor) -> int:
     return sum(storages.values())
 
 
-def _step(module: nn.Module, x: Tensor, gy: Tensor) -> None:
+def _step(module: nn.Module, x: Tensor, gy: Tensor, kernel_set: str | None = None) -> None:
     x.grad = None
-    module(x).backward(gy)
+    if kernel_set is None:
+        module(x).backward(gy)
+        return
+    with cpu_kernels.using(kernel_set):  # the forward and the backward
+        module(x).backward(gy)
 
 
 def _time(fn: Callable[[], None], inner: int, clock: Callable[[], float] = time.perf_counter) -> tuple[float, int]:
@@ -168,19 +179,25 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def run_case(
     name: str, shape, factories, base: str, repeats: int, inner: int,
     clock: Callable[[], float] = time.perf_counter, dtype: torch.dtype = torch.float32,
+    kernel_sets: tuple[str, ...] = (),
 ) -> dict:
     torch.manual_seed(0)
     x = torch.randn(shape).to(dtype).requires_grad_()
     gy = torch.randn(shape).to(dtype)
     mods = {k: f().to(dtype) for k, f in factories.items()}
-    for m in mods.values():  # warm-up: compiles, allocator, caches
+    sets: dict[str, str | None] = dict.fromkeys(mods)  # row -> the C++ kernel set it runs (None: the default)
+    default = next(k for k in factories if "(default)" in k)
+    for ks in kernel_sets:  # the default module again, on each named kernel set
+        mods[f"{default} [{ks}]"] = factories[default]().to(dtype)
+        sets[f"{default} [{ks}]"] = ks
+    for k, m in mods.items():  # warm-up: compiles, allocator, caches
         for _ in range(3):
-            _step(m, x, gy)
+            _step(m, x, gy, sets[k])
     times: dict[str, list[float]] = {k: [] for k in mods}
     faults = dict.fromkeys(mods, 0)
     for order in round_orders(list(mods), repeats):  # interleaved: every row sees the same machine state
         for k in order:  # a random order each round: no row always follows the same one
-            seconds, n_faults = _time(lambda m=mods[k]: _step(m, x, gy), inner, clock)
+            seconds, n_faults = _time(lambda m=mods[k], ks=sets[k]: _step(m, x, gy, ks), inner, clock)
             times[k].append(seconds)
             faults[k] += n_faults
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -225,7 +242,16 @@ def main(argv=None) -> int:
         "page-faults on them); keep: mallopt so that freed memory is reused (see the module "
         "docstring)",
     )
+    p.add_argument("--cpu-kernels", nargs="+", default=[], choices=cpu_kernels.KERNEL_SETS, metavar="SET",
+                   help="also time the default module on these C++ kernel sets (one row each): "
+                   f"{', '.join(cpu_kernels.KERNEL_SETS)}")
     args = p.parse_args(argv)
+    for ks in args.cpu_kernels:  # a set that cannot be built here: say so before the first case
+        try:
+            with cpu_kernels.using(ks):
+                pass
+        except RuntimeError as err:
+            p.error(f"--cpu-kernels {ks}: {err}")
     if args.malloc == "keep":
         keep_freed_memory()
     if args.quick:
@@ -250,7 +276,7 @@ def main(argv=None) -> int:
     print(hdr)
     print("-" * len(hdr))
     for n, dt in [(n, dt) for n in names for dt in dtypes]:
-        res = run_case(n, *all_cases[n], args.repeats, args.inner, clock, DTYPES[dt])
+        res = run_case(n, *all_cases[n], args.repeats, args.inner, clock, DTYPES[dt], tuple(args.cpu_kernels))
         results.append(res)
         for r in res["rows"]:
             print(f"{n:20s} {dt:8s} {r['impl']:32s} {r['ms']:9.2f} {r['time_ratio']:6.2f} "

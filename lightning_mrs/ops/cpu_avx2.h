@@ -1,6 +1,7 @@
-// The kernels of cpu_kernels.cpp written for AVX2 (8 float lanes): built where the compiler
-// targets AVX2, FMA and F16C without AVX-512 (-march=native on such a CPU); an AVX-512 build,
-// and any other, keeps the generic loops of cpu_kernels.cpp. Included by cpu_kernels.cpp only;
+// The kernels of cpu_kernels.cpp written for AVX2 (8 float lanes): built wherever the compiler
+// targets AVX2, FMA and F16C (-march=native on such a CPU), unless the "generic" kernel set
+// asks for the loops of cpu_kernels.cpp alone; which dtypes run them is decided there
+// (kAvx2: all of them without AVX-512, float16 on AVX-512). Included by cpu_kernels.cpp only;
 // part of the build's cache key (lightning_mrs/ops/cpu_kernels.py).
 //
 // Why: on AVX2 the generic loops' compute, not memory, set the time of bfloat16/float16 rows (a
@@ -14,7 +15,12 @@
 // order (tests: the float64 reference, and the portable build against this one).
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// MRS_KERNELS_AVX2 / MRS_KERNELS_GENERIC: the kernel sets "avx2" and "generic" (cpu_kernels.py:
+// LIGHTNING_MRS_CPU_KERNEL_SET).
+#if defined(MRS_KERNELS_AVX2) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "LIGHTNING_MRS_CPU_KERNEL_SET=avx2 needs a CPU with AVX2, FMA and F16C; use auto or generic here"
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MRS_KERNELS_GENERIC)
 #define MRS_AVX2 1
 
 #include <immintrin.h>

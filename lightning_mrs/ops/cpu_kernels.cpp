@@ -89,12 +89,8 @@ constexpr int64_t row_block(int64_t C) {
   return std::is_same_v<T, float> ? C : kBlock;
 }
 
-#if defined(MRS_AVX2)  // an AVX2 build without AVX-512: the kernels of cpu_avx2.h
-using mrs::avx2::bwd_rows;
-using mrs::avx2::bwd_sample;
-using mrs::avx2::fwd_rows;
-using mrs::avx2::fwd_sample;
-#else
+// The generic loops: every build has them; where cpu_avx2.h is built, kAvx2 below says which
+// dtypes run its kernels instead.
 
 // kAffine (and kDw): compiled with and without the weight (its gradient), so that the
 // innermost loops carry no branch (w = 1 without a weight, which is exact).
@@ -357,7 +353,26 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
   dwb.reduce(dw);
 }
 
-#endif  // MRS_AVX2
+// Which kernels a dtype runs. Without AVX-512 (or with the "avx2" kernel set), cpu_avx2.h's for
+// every dtype. On an AVX-512 build, its float16 kernels only: measured on an AVX-512 AMD EPYC
+// (docs/performance-lm.md#parity-on-an-avx-512-cpu), the loops above convert float16 one value
+// at a time and lose to F16C in registers (ln_2048x4096: x1.06 against x0.82 of nn.LayerNorm),
+// while their AVX-512 float32 and bfloat16 code beats the 8-lane kernels (spatial bfloat16: x0.81
+// against x1.08 of nn.GroupNorm).
+#if defined(MRS_AVX2)
+#if defined(MRS_KERNELS_AVX2) || !defined(__AVX512F__)
+template <typename T>
+constexpr bool kAvx2 = true;
+#else
+template <typename T>
+constexpr bool kAvx2 = std::is_same_v<T, f16>;
+#endif
+#define MRS_KERNEL(T, fn, ...) (kAvx2<T> ? &mrs::avx2::fn<__VA_ARGS__> : &fn<__VA_ARGS__>)
+#else
+template <typename T>
+constexpr bool kAvx2 = false;
+#define MRS_KERNEL(T, fn, ...) (&fn<__VA_ARGS__>)
+#endif
 
 }  // namespace
 
@@ -368,15 +383,16 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
                                         int nt) {                                               \
     std::vector<float> buf;                                                                     \
     const float* wf = weight_f32(w, wkind, C / 2, buf);                                         \
-    (wf ? fwd_rows<T, true> : fwd_rows<T, false>)(static_cast<const T*>(x), wf,                \
-                                                  static_cast<T*>(y), rs, G, L, C, eps, nt);    \
+    (wf ? MRS_KERNEL(T, fwd_rows, T, true) : MRS_KERNEL(T, fwd_rows, T, false))(               \
+        static_cast<const T*>(x), wf, static_cast<T*>(y), rs, G, L, C, eps, nt);                \
   }                                                                                             \
   extern "C" void mrs_bwd_rows_##SUFFIX(const void* x, const void* g, const void* w, int wkind, \
                                         const float* rs, void* dx, float* dw, int64_t G,        \
                                         int64_t L, int64_t C, float eps, int nt) {              \
     std::vector<float> buf;                                                                     \
     const float* wf = weight_f32(w, wkind, C / 2, buf);                                         \
-    auto fn = !wf ? bwd_rows<T, false, false> : dw ? bwd_rows<T, true, true> : bwd_rows<T, true, false>; \
+    auto fn = !wf ? MRS_KERNEL(T, bwd_rows, T, false, false)                                    \
+              : dw ? MRS_KERNEL(T, bwd_rows, T, true, true) : MRS_KERNEL(T, bwd_rows, T, true, false); \
     fn(static_cast<const T*>(x), static_cast<const T*>(g), wf, rs, static_cast<T*>(dx), dw, G, \
        L, C, eps, nt);                                                                          \
   }                                                                                             \
@@ -385,16 +401,23 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
                                           float eps, int nt) {                                  \
     std::vector<float> buf;                                                                     \
     const float* wf = weight_f32(w, wkind, C / 2, buf);                                         \
-    fwd_sample(static_cast<const T*>(x), wf, static_cast<T*>(y), rs, A, C, L, eps, nt);        \
+    MRS_KERNEL(T, fwd_sample, T)(static_cast<const T*>(x), wf, static_cast<T*>(y), rs, A, C, L, eps, nt); \
   }                                                                                             \
   extern "C" void mrs_bwd_sample_##SUFFIX(const void* x, const void* g, const void* w,         \
                                           int wkind, const float* rs, void* dx, float* dw,      \
                                           int64_t A, int64_t C, int64_t L, float eps, int nt) { \
     std::vector<float> buf;                                                                     \
     const float* wf = weight_f32(w, wkind, C / 2, buf);                                         \
-    bwd_sample(static_cast<const T*>(x), static_cast<const T*>(g), wf, rs,                      \
+    MRS_KERNEL(T, bwd_sample, T)(static_cast<const T*>(x), static_cast<const T*>(g), wf, rs,    \
                static_cast<T*>(dx), wf ? dw : nullptr, A, C, L, eps, nt);                       \
   }
+
+// Which kernels this build runs (cpu_kernels.py: loaded_kernels): 1 = the generic loops, 2 =
+// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others.
+extern "C" int mrs_kernel_set() {
+  if (kAvx2<float> && kAvx2<bf16>) return 2;
+  return kAvx2<f16> ? 3 : 1;
+}
 
 MRS_EXPORT(f32, float)
 MRS_EXPORT(bf16, bf16)

@@ -13,8 +13,14 @@ The library is compiled once per machine with the system C++ compiler (``$CXX``,
 ``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``) into a cache folder
 (``$LIGHTNING_MRS_CACHE``, else ``~/.cache/lightning_mrs``), keyed by the source, the
 compiler and the CPU's instruction sets, and loaded with :mod:`ctypes`
-(``LIGHTNING_MRS_CPU_NATIVE=0``: without ``-march=native``, the portable build). Nothing happens at
-import time; :func:`available` triggers the build. If the build fails (no compiler, no
+(``LIGHTNING_MRS_CPU_NATIVE=0``: without ``-march=native``, the portable build). Which kernels
+the build holds is its *kernel set* (``LIGHTNING_MRS_CPU_KERNEL_SET``, or :func:`using` for a
+block of code; :data:`KERNEL_SETS`): ``auto`` (the default) runs the AVX2 kernels of
+``cpu_avx2.h`` where ``-march=native`` targets AVX2 without AVX-512, on AVX-512 those kernels
+for float16 and the compiler-vectorised loops of ``cpu_kernels.cpp`` for float32 and bfloat16
+(the faster of the two for each, as measured), and the loops everywhere else; ``avx2`` and
+``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says
+which kernels are running. Nothing happens at import time; :func:`available` triggers the build. If the build fails (no compiler, no
 OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; ``backend="auto"``
 then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
 
@@ -33,6 +39,8 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -41,7 +49,8 @@ from torch import Tensor
 
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
-__all__ = ["NAME", "available", "backward", "build_error", "build_flags", "forward", "unavailable"]
+__all__ = ["KERNEL_SETS", "NAME", "available", "backward", "build_error", "build_flags", "forward", "kernel_set",
+           "loaded_kernels", "unavailable", "using"]
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
@@ -52,7 +61,60 @@ _WKIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the weight's
 #: microseconds, more than normalising a few thousand values.
 MIN_NUMEL_PER_THREAD = 1 << 15
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {}  # "lib": ctypes.CDLL or None, "error": str
+#: What ``LIGHTNING_MRS_CPU_KERNEL_SET`` (and :func:`using`) accept: ``auto`` (cpu_avx2.h's kernels
+#: where ``-march=native`` targets AVX2, FMA and F16C without AVX-512, and on AVX-512 for float16
+#: only; the generic loops for the rest), ``avx2`` (cpu_avx2.h's kernels for every dtype on any CPU
+#: with AVX2, FMA and F16C; always ``-march=native``), ``generic`` (the compiler-vectorised loops of
+#: cpu_kernels.cpp everywhere).
+KERNEL_SETS = ("auto", "avx2", "generic")
+_DEFINES = {"auto": [], "avx2": ["-DMRS_KERNELS_AVX2"], "generic": ["-DMRS_KERNELS_GENERIC"]}
+#: mrs_kernel_set() of the library -> the kernels it runs (loaded_kernels)
+_LOADED = {1: "generic", 2: "avx2", 3: "avx2 for float16, generic for float32 and bfloat16"}
+# The state of the kernel set in use: "set" (its name), "lib" (ctypes.CDLL or None), "error",
+# "flags", "fns". One dict per set in _SETS; using() swaps _STATE, the hot path reads it as is.
+_STATE: dict[str, object] = {}
+_SETS: dict[str, dict[str, object]] = {}
+
+
+def _env_kernel_set() -> str:
+    name = os.environ.get("LIGHTNING_MRS_CPU_KERNEL_SET", "auto") or "auto"
+    if name not in KERNEL_SETS:
+        raise ValueError(f"LIGHTNING_MRS_CPU_KERNEL_SET={name!r} is not a CPU kernel set; choose one of "
+                         f"{', '.join(KERNEL_SETS)} (auto is the default)")
+    return name
+
+
+def kernel_set() -> str:
+    """The kernel set in use: :func:`using`'s inside its block, else ``LIGHTNING_MRS_CPU_KERNEL_SET``'s
+    (``auto`` when unset)."""
+    return _STATE.get("set") or _env_kernel_set()  # type: ignore[return-value]
+
+
+@contextmanager
+def using(name: str) -> Iterator[None]:
+    """Run the C++ kernels of the kernel set ``name`` inside the block (built on first use, then
+    cached like the default one). Plans need no clearing: every kernel call reads the set in use.
+
+    Example::
+
+        with cpu_kernels.using("generic"):
+            y = mrs_norm(x)  # the compiler-vectorised loops, even on an AVX2 CPU
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`KERNEL_SETS`.
+        RuntimeError: that set cannot be built here (the message says why: no AVX2, no compiler...).
+    """
+    global _STATE
+    if name not in KERNEL_SETS:
+        raise ValueError(f"using({name!r}): not a CPU kernel set; choose one of {', '.join(KERNEL_SETS)}")
+    before = _STATE
+    _STATE = _SETS.setdefault(name, {"set": name})
+    try:
+        if _lib() is None:
+            raise RuntimeError(f"the {name!r} CPU kernels could not be built here: {build_error()}")
+        yield
+    finally:
+        _STATE = before
 
 
 def _cpu_signature() -> str:
@@ -92,7 +154,15 @@ def _cache_dir() -> Path:
 
 
 def _flag_sets() -> list[list[str]]:
-    common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    """The compiler flags to try, in order, for the kernel set in use."""
+    name = kernel_set()
+    common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17", *_DEFINES[name]]
+    if name == "avx2":
+        # -march=native only: explicit -mavx2 flags would build, and then crash, on a CPU without AVX2
+        if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":
+            raise RuntimeError("LIGHTNING_MRS_CPU_KERNEL_SET=avx2 builds with -march=native, which "
+                               "LIGHTNING_MRS_CPU_NATIVE=0 turns off; unset one of the two")
+        return [common + ["-march=native"]]
     if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":  # the portable build only (x86-64 baseline)
         return [common]
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
@@ -125,6 +195,7 @@ def _build() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         _STATE["flags"] = " ".join(flags)
+        _STATE["kernels"] = _LOADED[lib.mrs_kernel_set()]
         return lib
     raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: " + " | ".join(errors))
 
@@ -138,10 +209,12 @@ def _declare(lib: ctypes.CDLL) -> None:
             fwd.argtypes = [ptr, ptr, i32, ptr, ptr, i64, i64, i64, f32, i32]
             bwd.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i64, f32, i32]
             fwd.restype = bwd.restype = None
+    lib.mrs_kernel_set.argtypes, lib.mrs_kernel_set.restype = [], ctypes.c_int
 
 
 def _lib() -> Optional[ctypes.CDLL]:
     if "lib" not in _STATE:
+        _STATE.setdefault("set", _env_kernel_set())  # a bad name raises here, at the first call, not as a warning
         with _LOCK:
             if "lib" not in _STATE:
                 try:
@@ -172,6 +245,13 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 def build_error() -> Optional[str]:
     """Why the library could not be built, or ``None``."""
     return _STATE.get("error")  # type: ignore[return-value]
+
+
+def loaded_kernels() -> Optional[str]:
+    """Which kernels the loaded library runs: ``"avx2"`` (cpu_avx2.h), ``"generic"`` (the loops
+    of cpu_kernels.cpp), or on an AVX-512 CPU under ``auto`` ``"avx2 for float16, generic for
+    float32 and bfloat16"``; ``None`` before it is built or when it could not be."""
+    return _STATE.get("kernels")  # type: ignore[return-value]
 
 
 def build_flags() -> Optional[str]:

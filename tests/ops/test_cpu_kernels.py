@@ -25,13 +25,12 @@ pytestmark = needs_cpp
 @pytest.fixture
 def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """A process with no library loaded, no cached backend choice and an empty cache folder."""
-    saved = dict(cpu_kernels._STATE)
-    cpu_kernels._STATE.clear()
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})  # the loaded library comes back after the test
+    monkeypatch.setattr(cpu_kernels, "_SETS", {})
+    monkeypatch.delenv("LIGHTNING_MRS_CPU_KERNEL_SET", raising=False)
     dispatch.clear_cache()
     monkeypatch.setenv("LIGHTNING_MRS_CACHE", str(tmp_path))
     yield tmp_path
-    cpu_kernels._STATE.clear()
-    cpu_kernels._STATE.update(saved)
     dispatch.clear_cache()  # choices made without the library must not outlive the test
 
 
@@ -109,6 +108,26 @@ def test_read_only_home_builds_in_the_temp_dir(
     assert list((tmp_path / "tmp").glob("lightning_mrs_*/mrs_norm_cpu_*.so"))
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        return {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                for f in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+HAS_AVX2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
+needs_avx2 = pytest.mark.skipif(not HAS_AVX2, reason="the avx2 kernel set needs a CPU with AVX2, FMA and F16C")
+
+
+@pytest.fixture(params=["generic", pytest.param("avx2", marks=needs_avx2)])
+def one_kernel_family(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every dtype on the same kernels (``auto`` on AVX-512 mixes them: float16 on cpu_avx2.h's, the
+    others on the generic loops), so that a half result can be compared bit for bit with float32's."""
+    with cpu_kernels.using(request.param):
+        yield request.param
+
+
 # name -> (shape, channel_dim, spatial): one per C++ kernel (rows per position, rows per
 # sample, NCHW per sample)
 KERNELS = {
@@ -158,7 +177,7 @@ def test_small_inputs_run_on_one_thread_and_large_ones_on_all() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype) -> None:
+def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype, one_kernel_family: str) -> None:
     # the kernel's own float -> half store (cpu_half.h: st and the F16C/AVX-512 conversions) against torch's rounding of
     # the same float32 maths; half inputs are exact in float32, so only the store differs.
     # Weights from 1e-7 (subnormal float16 outputs) to 3e4 (float16 overflows to inf).
@@ -177,7 +196,7 @@ def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch
         torch.testing.assert_close(y, y32.to(dtype), atol=torch.finfo(dtype).smallest_normal * eps, rtol=eps)
 
 
-def test_float16_loads_every_finite_value_exactly() -> None:
+def test_float16_loads_every_finite_value_exactly(one_kernel_family: str) -> None:
     # every finite float16 (subnormals, zeros of both signs, the largest) in rows of 64: the
     # kernel's float16 -> float conversion (ld) against torch's, through the whole op
     bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
@@ -213,9 +232,11 @@ def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_kernels._flag_sets() == [portable]
 
 
-def test_the_native_and_portable_builds_agree(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # -march=native on an AVX2 CPU without AVX-512 builds the kernels of cpu_avx2.h, the portable build the
-    # generic loops of cpu_kernels.cpp (elsewhere both are the generic loops): the same maths, sums in another order
+@pytest.mark.parametrize("other", ["portable", "generic", pytest.param("avx2", marks=needs_avx2)])
+def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default build (-march=native, kernel set auto) against: the portable build (no -march: the generic loops on
+    # the x86-64 baseline), and each kernel set (cpu_avx2.h, the compiler-vectorised loops): the same maths, sums
+    # in another order
     cases = [(KERNELS[k], dtype, affine) for k in KERNELS for dtype in (torch.float32, torch.bfloat16, torch.float16)
              for affine in (True, False)]
     cases += [(LAYOUTS["simd_tails"][:3], torch.bfloat16, True), (LAYOUTS["odd_phasors"][:3], torch.float16, True)]
@@ -229,18 +250,81 @@ def test_the_native_and_portable_builds_agree(fresh_build: Path, monkeypatch: py
         return out
 
     assert cpu_kernels.available()
-    native = run_all()
-    portable_flags = cpu_kernels._flag_sets()[1]
-    monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [portable_flags])
-    cpu_kernels._STATE.clear()
-    assert cpu_kernels.available() and "-march=native" not in cpu_kernels.build_flags()
-    portable = run_all()
-    for (_, dtype, _), ours, theirs in zip(cases, native, portable):
+    default = run_all()
+    if other == "portable":
+        portable_flags = cpu_kernels._flag_sets()[1]
+        monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [portable_flags])
+        cpu_kernels._STATE.clear()
+        assert cpu_kernels.available() and "-march=native" not in cpu_kernels.build_flags()
+        theirs_all = run_all()
+    else:
+        with cpu_kernels.using(other):
+            assert cpu_kernels.loaded_kernels() == other and f"-DMRS_KERNELS_{other.upper()}" in cpu_kernels.build_flags()
+            theirs_all = run_all()
+    for (_, dtype, _), ours, theirs in zip(cases, default, theirs_all):
         # float32: a few ulps of the largest value (measured: 6e-7 of it); half outputs: an ulp or two
         tol = 4e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
         for a, b in zip(ours, theirs):
             if a is not None or b is not None:
                 torch.testing.assert_close(a, b, rtol=0, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["generic", pytest.param("avx2", marks=needs_avx2)])
+def test_a_kernel_set_is_its_own_build_chosen_by_env_or_block(
+    name: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # using() runs the set inside its block only; the environment variable makes it the process's set
+    x, w, gy = make_inputs((7, 5, 64), -1, None, torch.bfloat16)
+    default = grads(forced("cpp"), x, w, gy)
+    before = cpu_kernels.loaded_kernels()
+    with cpu_kernels.using(name):
+        assert (cpu_kernels.kernel_set(), cpu_kernels.loaded_kernels()) == (name, name)
+        check_against_reference("cpp", ((7, 5, 64), -1, False, None), torch.bfloat16)
+    assert (cpu_kernels.kernel_set(), cpu_kernels.loaded_kernels()) == ("auto", before)
+    assert len(list(fresh_build.glob("mrs_norm_cpu_*.so"))) == 2  # the default build, and this set's
+    torch.testing.assert_close(grads(forced("cpp"), x, w, gy)[0], default[0], atol=0, rtol=0)  # the default again
+    monkeypatch.setenv("LIGHTNING_MRS_CPU_KERNEL_SET", name)
+    cpu_kernels._STATE.clear()  # a new process with the variable set
+    assert cpu_kernels.available() and cpu_kernels.loaded_kernels() == name
+
+
+def test_the_default_set_runs_the_faster_kernels_of_each_dtype(fresh_build: Path) -> None:
+    # auto: cpu_avx2.h on a CPU with AVX2, FMA and F16C and no AVX-512; on AVX-512 for float16 only (measured
+    # faster there, the generic loops for float32 and bfloat16: docs/performance-lm.md); the generic loops elsewhere
+    assert cpu_kernels.available()
+    if not HAS_AVX2:
+        expected = "generic"
+    elif "avx512f" in _cpu_flags():
+        expected = "avx2 for float16, generic for float32 and bfloat16"
+    else:
+        expected = "avx2"
+    assert cpu_kernels.loaded_kernels() == expected
+
+
+def test_an_unknown_kernel_set_is_a_clear_error(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="choose one of auto, avx2, generic"):
+        with cpu_kernels.using("avx512"):
+            pass
+    monkeypatch.setenv("LIGHTNING_MRS_CPU_KERNEL_SET", "avx512")
+    with pytest.raises(ValueError, match="LIGHTNING_MRS_CPU_KERNEL_SET='avx512' is not a CPU kernel set"):
+        mrs_norm(torch.randn(16, 64))  # at the first call, not a warning and a silent fallback
+
+
+def test_a_kernel_set_that_cannot_build_here_says_why(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_kernels.available()
+    monkeypatch.setenv("LIGHTNING_MRS_CPU_NATIVE", "0")  # avx2 is built with -march=native only
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="LIGHTNING_MRS_CPU_NATIVE=0 turns off"):
+        with cpu_kernels.using("avx2"):
+            pass
+    monkeypatch.delenv("LIGHTNING_MRS_CPU_NATIVE")
+    # a compiler target without AVX2 (the CPU of another machine): the source refuses the set, not a crash at run time
+    monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [["-O3", "-fPIC", "-shared", "-fopenmp", "-std=c++17",
+                                                             "-DMRS_KERNELS_AVX2", "-march=x86-64"]])
+    monkeypatch.setattr(cpu_kernels, "_SETS", {})
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="avx2 needs a CPU with AVX2, FMA and F16C"):
+        with cpu_kernels.using("avx2"):
+            pass
+    assert cpu_kernels.kernel_set() == "auto" and cpu_kernels.available()  # the default set is untouched
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
