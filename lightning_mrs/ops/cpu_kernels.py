@@ -20,9 +20,9 @@ block of code; :data:`KERNEL_SETS`): ``auto`` (the default) runs the AVX2 kernel
 for float16 and the compiler-vectorised loops of ``cpu_kernels.cpp`` for float32 and bfloat16
 (the faster of the two for each, as measured), and the loops everywhere else; ``avx2`` and
 ``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says
-which kernels are running. Nothing happens at import time; :func:`available` triggers the build. If the build fails (no compiler, no
-OpenMP), :func:`available` returns ``False`` and :func:`build_error` says why; ``backend="auto"``
-then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
+which kernels are running. Nothing happens at import time; :func:`available` triggers the
+build. If the build fails (no compiler, no OpenMP), :func:`available` returns ``False`` and
+:func:`build_error` says why; ``backend="auto"`` then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
 
 The plain-torch bodies in :mod:`lightning_mrs.ops.torch_kernels` compute the same results;
 the tests compare both against a float64 reference.
@@ -94,6 +94,8 @@ def kernel_set() -> str:
 def using(name: str) -> Iterator[None]:
     """Run the C++ kernels of the kernel set ``name`` inside the block (built on first use, then
     cached like the default one). Plans need no clearing: every kernel call reads the set in use.
+    The switch is process-wide while the block runs (other threads' calls take it too); it is
+    meant for benchmarks and comparisons, ``LIGHTNING_MRS_CPU_KERNEL_SET`` for a whole run.
 
     Example::
 
