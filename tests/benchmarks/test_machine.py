@@ -24,3 +24,10 @@ def test_cpu_line_names_the_model_threads_and_the_build() -> None:
     line = machine.cpu_line()
     assert line.startswith("CPU: ") and f"{torch.get_num_threads()} torch threads" in line
     assert "C++ kernels " in line and ("avx2" in line or "ISA flags unknown" in line)
+
+
+def test_cpu_line_names_the_kernels_that_run() -> None:
+    from lightning_mrs.ops import cpu_kernels
+
+    if cpu_kernels.available():
+        assert f"{cpu_kernels.loaded_kernels()} kernels (kernel set {cpu_kernels.kernel_set()})" in machine.cpu_line()
