@@ -48,6 +48,7 @@ import resource
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -83,10 +84,7 @@ def saved_bytes(module: nn.Module, x: Tensor) -> int:
 
 def _step(module: nn.Module, x: Tensor, gy: Tensor, kernel_set: str | None = None) -> None:
     x.grad = None
-    if kernel_set is None:
-        module(x).backward(gy)
-        return
-    with cpu_kernels.using(kernel_set):  # the forward and the backward
+    with nullcontext() if kernel_set is None else cpu_kernels.using(kernel_set):  # forward and backward
         module(x).backward(gy)
 
 

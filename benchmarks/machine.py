@@ -43,8 +43,10 @@ def cpu_line() -> str:
     fields = _cpuinfo()
     model = fields.get("model name") or platform.processor() or platform.machine()
     built = cpu_kernels.build_flags() if cpu_kernels.available() else None
-    kernels = (("-march=native" if "-march=native" in built else "portable (no -march)")
-               + f", {cpu_kernels.loaded_kernels()} kernels (kernel set {cpu_kernels.kernel_set()})") if built else \
-        f"not built ({cpu_kernels.build_error()})"
+    if built:
+        how = "-march=native" if "-march=native" in built else "portable (no -march)"
+        kernels = f"{how}, {cpu_kernels.loaded_kernels()} kernels (kernel set {cpu_kernels.kernel_set()})"
+    else:
+        kernels = f"not built ({cpu_kernels.build_error()})"
     return (f"CPU: {model}; {' '.join(isa(fields)) or 'ISA flags unknown'}; {os.cpu_count()} cores, "
             f"{torch.get_num_threads()} torch threads; C++ kernels {kernels}")

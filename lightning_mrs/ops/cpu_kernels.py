@@ -22,7 +22,8 @@ for float16 and the compiler-vectorised loops of ``cpu_kernels.cpp`` for float32
 ``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says
 which kernels are running. Nothing happens at import time; :func:`available` triggers the
 build. If the build fails (no compiler, no OpenMP), :func:`available` returns ``False`` and
-:func:`build_error` says why; ``backend="auto"`` then takes the next backend. ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
+:func:`build_error` says why; ``backend="auto"`` then takes the next backend.
+``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
 
 The plain-torch bodies in :mod:`lightning_mrs.ops.torch_kernels` compute the same results;
 the tests compare both against a float64 reference.
@@ -76,12 +77,17 @@ _STATE: dict[str, object] = {}
 _SETS: dict[str, dict[str, object]] = {}
 
 
+def _checked(name: str, what: str) -> str:
+    """``name`` if it is one of :data:`KERNEL_SETS`, else a ``ValueError`` that names ``what`` asked."""
+    if name not in KERNEL_SETS:
+        raise ValueError(f"{what} is not a CPU kernel set; choose one of {', '.join(KERNEL_SETS)} "
+                         "(auto is the default)")
+    return name
+
+
 def _env_kernel_set() -> str:
     name = os.environ.get("LIGHTNING_MRS_CPU_KERNEL_SET", "auto") or "auto"
-    if name not in KERNEL_SETS:
-        raise ValueError(f"LIGHTNING_MRS_CPU_KERNEL_SET={name!r} is not a CPU kernel set; choose one of "
-                         f"{', '.join(KERNEL_SETS)} (auto is the default)")
-    return name
+    return _checked(name, f"LIGHTNING_MRS_CPU_KERNEL_SET={name!r}")
 
 
 def kernel_set() -> str:
@@ -107,10 +113,8 @@ def using(name: str) -> Iterator[None]:
         RuntimeError: that set cannot be built here (the message says why: no AVX2, no compiler...).
     """
     global _STATE
-    if name not in KERNEL_SETS:
-        raise ValueError(f"using({name!r}): not a CPU kernel set; choose one of {', '.join(KERNEL_SETS)}")
     before = _STATE
-    _STATE = _SETS.setdefault(name, {"set": name})
+    _STATE = _SETS.setdefault(_checked(name, f"using({name!r})"), {"set": name})
     try:
         if _lib() is None:
             raise RuntimeError(f"the {name!r} CPU kernels could not be built here: {build_error()}")
@@ -159,13 +163,14 @@ def _flag_sets() -> list[list[str]]:
     """The compiler flags to try, in order, for the kernel set in use."""
     name = kernel_set()
     common = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-std=c++17", *_DEFINES[name]]
+    native = os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") != "0"
     if name == "avx2":
         # -march=native only: explicit -mavx2 flags would build, and then crash, on a CPU without AVX2
-        if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":
+        if not native:
             raise RuntimeError("LIGHTNING_MRS_CPU_KERNEL_SET=avx2 builds with -march=native, which "
                                "LIGHTNING_MRS_CPU_NATIVE=0 turns off; unset one of the two")
         return [common + ["-march=native"]]
-    if os.environ.get("LIGHTNING_MRS_CPU_NATIVE", "1") == "0":  # the portable build only (x86-64 baseline)
+    if not native:  # the portable build only (x86-64 baseline)
         return [common]
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
 
