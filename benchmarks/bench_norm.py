@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import round_orders  # noqa: E402 - the sibling helper
-from machine import cpu_line  # noqa: E402
+from machine import check_kernel_sets, cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm, MRSNorm2d  # noqa: E402
 from lightning_mrs.ops import cpu_kernels  # noqa: E402
@@ -244,12 +244,7 @@ def main(argv=None) -> int:
                    help="also time the default module on these C++ kernel sets (one row each): "
                    f"{', '.join(cpu_kernels.KERNEL_SETS)}")
     args = p.parse_args(argv)
-    for ks in args.cpu_kernels:  # a set that cannot be built here: say so before the first case
-        try:
-            with cpu_kernels.using(ks):
-                pass
-        except RuntimeError as err:
-            p.error(f"--cpu-kernels {ks}: {err}")
+    check_kernel_sets(p, args.cpu_kernels)
     if args.malloc == "keep":
         keep_freed_memory()
     if args.quick:

@@ -5,13 +5,15 @@ AVX-512, and convert float16 with F16C where the build may use it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-__all__ = ["ISA_FLAGS", "cpu_line", "isa"]
+__all__ = ["ISA_FLAGS", "check_kernel_sets", "cpu_line", "isa"]
 
 #: the /proc/cpuinfo flags printed (the SIMD widths and the half-precision conversions)
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16")
@@ -50,3 +52,16 @@ def cpu_line() -> str:
         kernels = f"not built ({cpu_kernels.build_error()})"
     return (f"CPU: {model}; {' '.join(isa(fields)) or 'ISA flags unknown'}; {os.cpu_count()} cores, "
             f"{torch.get_num_threads()} torch threads; C++ kernels {kernels}")
+
+
+def check_kernel_sets(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """Build each C++ kernel set of a ``--cpu-kernels`` option now: one that cannot be built here
+    is a parser error that says why, before the first case runs."""
+    from lightning_mrs.ops import cpu_kernels
+
+    for name in names:
+        try:
+            with cpu_kernels.using(name):
+                pass
+        except RuntimeError as err:
+            parser.error(f"--cpu-kernels {name}: {err}")

@@ -1,11 +1,14 @@
-// Float <-> bfloat16 / float16 conversions of the CPU kernels (cpu_kernels.cpp), and the
-// float32 row buffers the kernels convert through. Included by cpu_kernels.cpp only; part of
-// the build's cache key (lightning_mrs/ops/cpu_kernels.py).
+// Float <-> bfloat16 / float16 conversions of the CPU kernels (cpu_kernels.cpp), the float32
+// row buffers the kernels convert through, the weight as float32 and the per-thread weight-
+// gradient rows. Included by cpu_kernels.cpp only; part of the build's cache key
+// (lightning_mrs/ops/cpu_kernels.py).
 #pragma once
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include <omp.h>
 
 #include <cstdint>
 #include <cstring>
@@ -90,6 +93,36 @@ inline int64_t f32_to_f16_simd(const float* src, f16* dst, int64_t n) {
   return j;
 }
 
+// bfloat16 stores with AVX512_BF16 (vcvtneps2bf16: nearest even, one instruction per 16 values;
+// the integer rounding of st takes about ten), unless the "generic" kernel set asks for st alone.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(MRS_KERNELS_GENERIC)
+#define MRS_AVX512_BF16 1
+// 16 floats as bfloat16 at p, exactly as st would store them (a NaN quieted with its sign and
+// payload): the instruction flushes subnormal floats to zero, so a vector holding one goes through st.
+inline void store16(bf16* p, __m512 v) {
+  const __m512i mag = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
+  // subnormal: 0 < |v| < 2^-126, that is |bits| - 1 < 0x007fffff as unsigned
+  const __mmask16 sub = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)),
+                                                _mm512_set1_epi32(0x007fffff));
+  if (sub != 0) [[unlikely]] {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    for (int i = 0; i < 16; ++i) st(p + i, f[i]);
+    return;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+// The first values of a float32 row as bfloat16 with store16; returns how many (0 without it).
+inline int64_t f32_to_bf16_simd([[maybe_unused]] const float* src, [[maybe_unused]] bf16* dst,
+                                 [[maybe_unused]] int64_t n) {
+  int64_t j = 0;
+#if defined(MRS_AVX512_BF16)
+  for (; j + 16 <= n; j += 16) store16(dst + j, _mm512_loadu_ps(src + j));
+#endif
+  return j;
+}
+
 // A row of T as float32: the row itself for float, else converted into buf by contiguous
 // loops (which vectorise for every T); the pair loops of the row kernels then read float32
 // alone (with the half conversions inside those stride-2 loops, float16 ran scalar).
@@ -117,6 +150,7 @@ inline void flush(const float* buf, T* dst, int64_t n) {
   if constexpr (!std::is_same_v<T, float>) {
     int64_t j = 0;
     if constexpr (std::is_same_v<T, f16>) j = f32_to_f16_simd(buf, dst, n);
+    if constexpr (std::is_same_v<T, bf16>) j = f32_to_bf16_simd(buf, dst, n);
 #pragma omp simd
     for (int64_t i = j; i < n; ++i) st(dst + i, buf[i]);
   }
@@ -126,5 +160,41 @@ template <typename T>
 inline std::vector<float> scratch(int64_t n) {
   return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
 }
+
+// The weight (P,) as float32: the caller's pointer for float32, else converted into buf.
+inline const float* weight_f32(const void* w, int wkind, int64_t P, std::vector<float>& buf) {
+  if (wkind == 0) return nullptr;
+  if (wkind == 1) return static_cast<const float*>(w);
+  buf.resize(P);
+  if (wkind == 2)
+    for (int64_t p = 0; p < P; ++p) buf[p] = ld(static_cast<const bf16*>(w)[p]);
+  else
+    for (int64_t p = 0; p < P; ++p) buf[p] = ld(static_cast<const f16*>(w)[p]);
+  return buf.data();
+}
+
+// Per-thread weight-gradient rows (nt, P), summed into dw (P,) once all rows are done:
+// no two threads write the same address, and no second pass over x and g is needed.
+class DwBuffers {
+ public:
+  DwBuffers(bool on, int nt, int64_t P) : nt_(nt), P_(P), acc_(on ? static_cast<size_t>(nt) * P : 0, 0.f) {}
+  // The calling thread's row, or null without a weight gradient.
+  float* mine() {
+    return acc_.empty() ? nullptr : acc_.data() + static_cast<size_t>(omp_get_thread_num()) * P_;
+  }
+  void reduce(float* dw) const {
+    if (acc_.empty()) return;
+    for (int64_t p = 0; p < P_; ++p) {
+      float s = 0.f;
+      for (int t = 0; t < nt_; ++t) s += acc_[t * P_ + p];
+      dw[p] = s;
+    }
+  }
+
+ private:
+  int nt_;
+  int64_t P_;
+  std::vector<float> acc_;
+};
 
 }  // namespace mrs

@@ -3,8 +3,9 @@
 // Compiled on first use by lightning_mrs/ops/cpu_kernels.py (the system C++ compiler, OpenMP,
 // -O3 -march=native) and called through ctypes; lightning_mrs/ops/torch_kernels.py holds
 // the same maths in plain torch (the reference the tests compare against). The float <->
-// half conversions and the row buffers are in cpu_half.h; the row kernels of an AVX2 build
-// in cpu_avx2.h.
+// half conversions, the row buffers and the weight-gradient rows are in cpu_half.h; the row
+// kernels of an AVX2 build in cpu_avx2.h, the bfloat16 loops of an AVX512_BF16 build in
+// cpu_avx512.h.
 //
 // Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
 // reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
@@ -33,47 +34,12 @@
 #include <vector>
 
 #include "cpu_avx2.h"
+#include "cpu_avx512.h"
 #include "cpu_half.h"
 
 namespace {
 
 using namespace mrs;
-
-// The weight (P,) as float32: the caller's pointer for float32, else converted into buf.
-const float* weight_f32(const void* w, int wkind, int64_t P, std::vector<float>& buf) {
-  if (wkind == 0) return nullptr;
-  if (wkind == 1) return static_cast<const float*>(w);
-  buf.resize(P);
-  if (wkind == 2)
-    for (int64_t p = 0; p < P; ++p) buf[p] = ld(static_cast<const bf16*>(w)[p]);
-  else
-    for (int64_t p = 0; p < P; ++p) buf[p] = ld(static_cast<const f16*>(w)[p]);
-  return buf.data();
-}
-
-// Per-thread weight-gradient rows (nt, P), summed into dw (P,) once all rows are done:
-// no two threads write the same address, and no second pass over x and g is needed.
-class DwBuffers {
- public:
-  DwBuffers(bool on, int nt, int64_t P) : nt_(nt), P_(P), acc_(on ? static_cast<size_t>(nt) * P : 0, 0.f) {}
-  // The calling thread's row, or null without a weight gradient.
-  float* mine() {
-    return acc_.empty() ? nullptr : acc_.data() + static_cast<size_t>(omp_get_thread_num()) * P_;
-  }
-  void reduce(float* dw) const {
-    if (acc_.empty()) return;
-    for (int64_t p = 0; p < P_; ++p) {
-      float s = 0.f;
-      for (int t = 0; t < nt_; ++t) s += acc_[t * P_ + p];
-      dw[p] = s;
-    }
-  }
-
- private:
-  int nt_;
-  int64_t P_;
-  std::vector<float> acc_;
-};
 
 // ---- channels contiguous: G groups of L rows of C, one S per group ----------------------
 // Half rows go through float32 buffers a block of kBlock values at a time: whole buffers of
@@ -210,8 +176,9 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
 // ---- positions contiguous, one S per sample --------------------------------------------
 // Here every loop runs over contiguous positions, where the half conversions vectorise in
 // the loop itself (ld / st): bfloat16 is read and written in place (a shift, cheaper than a
-// buffer), float16 with the x86 conversion instructions goes through the float32 buffers a
-// block at a time (x1.4 faster than the integer maths in the loop on AVX-512).
+// buffer; with AVX512_BF16 the output loops are cpu_avx512.h's, which store by vcvtneps2bf16),
+// float16 with the x86 conversion instructions goes through the float32 buffers a block at a
+// time (x1.4 faster than the integer maths in the loop on AVX-512).
 #if defined(__F16C__) || defined(__AVX512F__)
 constexpr bool kF16Simd = true;
 #else
@@ -219,6 +186,13 @@ constexpr bool kF16Simd = false;
 #endif
 template <typename T>
 constexpr bool kBuffered = std::is_same_v<T, f16> && kF16Simd;
+#if defined(MRS_AVX512_BF16)
+template <typename T>
+constexpr bool kAvx512 = std::is_same_v<T, bf16>;
+#else
+template <typename T>
+constexpr bool kAvx512 = false;
+#endif
 // Rows of positions as the loops read them: the source itself, or its block in float32.
 template <typename T>
 inline auto in_row(const T* src, float* buf, int64_t n) {
@@ -280,8 +254,10 @@ void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_
           const auto* xr = in_row(xa + ch * L + l0, ub.data(), n);
           T* yd = ya + ch * L + l0;
           auto* yr = out_row(yd, yb.data());
+          int64_t l1 = 0;  // the positions done by cpu_avx512.h, if any
+          if constexpr (kAvx512<T>) l1 = avx512::scale_row(xr, yr, n, m);
 #pragma omp simd
-          for (int64_t l = 0; l < n; ++l) st(yr + l, ld(xr[l]) * m);
+          for (int64_t l = l1; l < n; ++l) st(yr + l, ld(xr[l]) * m);
           out_flush(yr, yd, n);
         }
       }
@@ -335,8 +311,10 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
           const auto* gv = in_row(ga + o1, gvb.data(), n);
           auto* du = out_row(da + o0, dub.data());
           auto* dv = out_row(da + o1, dvb.data());
+          int64_t l1 = 0;
+          if constexpr (kAvx512<T>) l1 = avx512::pair_grad_row(u, v, gu, gv, du, dv, n, k, m, eps);
 #pragma omp simd
-          for (int64_t l = 0; l < n; ++l) {
+          for (int64_t l = l1; l < n; ++l) {
             const float ul = ld(u[l]), vl = ld(v[l]);
             const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
             st(du + l, ld(gu[l]) * m - kr * ul);
@@ -413,10 +391,12 @@ constexpr bool kAvx2 = false;
   }
 
 // Which kernels this build runs (cpu_kernels.py: loaded_kernels): 1 = the generic loops, 2 =
-// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others.
+// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = as 3 with
+// the bfloat16 stores of cpu_half.h / cpu_avx512.h (AVX512_BF16; every such CPU has AVX2 and F16C).
 extern "C" int mrs_kernel_set() {
   if (kAvx2<float> && kAvx2<bf16>) return 2;
-  return kAvx2<f16> ? 3 : 1;
+  if (kAvx2<f16>) return kAvx512<bf16> ? 4 : 3;
+  return 1;
 }
 
 MRS_EXPORT(f32, float)

@@ -7,6 +7,7 @@ reference are in ``test_backends.py``; what ``auto`` picks is in ``test_dispatch
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,8 +51,14 @@ def test_build_is_cached_on_disk_and_reused(fresh_build: Path, monkeypatch: pyte
 def test_an_edited_header_is_a_new_build(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # the kernels include cpu_half.h and cpu_avx2.h: a library built from an older header must not be loaded
-    assert {h.name for h in cpu_kernels.HEADERS} == {"cpu_half.h", "cpu_avx2.h"}
+    # every header the source includes, directly or not, is in the key: a library built from an older one must not load
+    included, todo = set(), [cpu_kernels.SOURCE]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), flags=re.M):
+            if name not in included:
+                included.add(name)
+                todo.append(cpu_kernels.SOURCE.with_name(name))
+    assert {h.name for h in cpu_kernels.HEADERS} == included == {"cpu_half.h", "cpu_avx2.h", "cpu_avx512.h"}
     headers = cpu_kernels.HEADERS
     assert cpu_kernels.available()
     seen = {p.name for p in fresh_build.iterdir()}
@@ -175,25 +182,48 @@ def test_small_inputs_run_on_one_thread_and_large_ones_on_all() -> None:
     assert cpu_kernels.threads(2**30) == torch.get_num_threads()
 
 
+# weights whose outputs reach the half type's subnormals and overflow to inf
+HALF_WEIGHT_DECADES = {torch.float16: (-7, 4.5), torch.bfloat16: (-41, 38.5)}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype, one_kernel_family: str) -> None:
-    # the kernel's own float -> half store (cpu_half.h: st and the F16C/AVX-512 conversions) against torch's rounding of
-    # the same float32 maths; half inputs are exact in float32, so only the store differs.
-    # Weights from 1e-7 (subnormal float16 outputs) to 3e4 (float16 overflows to inf).
+@pytest.mark.parametrize("family", ["auto", "generic", pytest.param("avx2", marks=needs_avx2)])
+def test_half_output_rounds_to_nearest_even_like_torch(kernel: str, dtype: torch.dtype, family: str) -> None:
+    # the kernel's own float -> half store (cpu_half.h: st and the F16C/AVX-512 conversions, and AVX512_BF16's with
+    # its fallback for subnormals) against torch's rounding of the same float32 maths; half inputs are exact in
+    # float32, so only the store differs. Weights from subnormal outputs to overflows (HALF_WEIGHT_DECADES).
+    with cpu_kernels.using(family):
+        if dtype == torch.float16 and cpu_kernels.loaded_kernels().startswith("avx2 for float16,"):
+            pytest.skip("auto runs float16 and float32 on different kernels here (avx2 and generic cover both)")
+        _half_output_rounds_like_torch(kernel, dtype)
+
+
+def _half_output_rounds_like_torch(kernel: str, dtype: torch.dtype) -> None:
     shape, channel_dim, spatial = KERNELS[kernel]
-    x, _, _ = make_inputs(shape, channel_dim, None, dtype)
-    w = torch.logspace(-7, 4.5, shape[channel_dim] // 2).to(dtype)
+    x, _, gy = make_inputs(shape, channel_dim, None, dtype)
+    w = torch.logspace(*HALF_WEIGHT_DECADES[dtype], shape[channel_dim] // 2).to(dtype)
     cpp = forced("cpp", channel_dim, spatial)
-    y = cpp(x, w)
-    y32 = cpp(x.float(), w.float())
-    assert torch.equal(y.isinf(), y32.to(dtype).isinf())
-    if kernel.startswith("rows") and not kernel.endswith("wide"):
-        assert torch.equal(y, y32.to(dtype))  # the half rows are converted, then run the float32 code
-    else:  # the sums of half rows wider than a block (and of rows of positions) are taken in
-        # another order than float32's (by block, or in the loop): they may round by an ulp
-        eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(y, y32.to(dtype), atol=torch.finfo(dtype).smallest_normal * eps, rtol=eps)
+    exact = kernel.startswith("rows") and not kernel.endswith("wide")  # the half rows are converted, then run the
+    # float32 code; the sums of half rows wider than a block (and of rows of positions) are taken in another order
+    # than float32's (by block, or in the loop), and the backward's products may fuse in another order: an ulp
+
+    def same_as_float32_rounded(half: torch.Tensor, f32: torch.Tensor) -> None:
+        assert torch.equal(half.isinf(), f32.to(dtype).isinf())
+        if exact:
+            assert torch.equal(half, f32.to(dtype))
+        else:
+            eps = torch.finfo(dtype).eps
+            torch.testing.assert_close(half, f32.to(dtype), atol=torch.finfo(dtype).smallest_normal * eps, rtol=eps)
+
+    same_as_float32_rounded(cpp(x, w), cpp(x.float(), w.float()))
+    # the backward's stores: gradients of every size, then so small that most of dx is subnormal
+    for scale in (1.0, torch.finfo(dtype).smallest_normal / 8):
+        g = (gy.float() * scale).to(dtype)
+        dx, dx32 = grads(cpp, x, None, g)[1], grads(cpp, x.float(), None, g.float())[1]
+        if scale < 1:
+            assert (dx32.abs() < torch.finfo(dtype).smallest_normal).float().mean() > 0.5
+        same_as_float32_rounded(dx, dx32)
 
 
 def test_float16_loads_every_finite_value_exactly(one_kernel_family: str) -> None:
@@ -294,6 +324,8 @@ def test_the_default_set_runs_the_faster_kernels_of_each_dtype(fresh_build: Path
     assert cpu_kernels.available()
     if not HAS_AVX2:
         expected = "generic"
+    elif {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags():  # and the bfloat16 stores of cpu_avx512.h
+        expected = "avx2 for float16, avx512_bf16 for bfloat16, generic for float32"
     elif "avx512f" in _cpu_flags():
         expected = "avx2 for float16, generic for float32 and bfloat16"
     else:
