@@ -139,6 +139,24 @@ def check_against_reference(
     assert same_layout(got[1], x)  # the input gradient in the input's layout too
 
 
+def check_half_gradient(backend: str, layout: tuple, dtype: torch.dtype, device: str = "cpu") -> None:
+    """The input gradient of a half ``dtype`` is the float64 reference rounded once, to an ulp.
+
+    ``dx = w g / S - k x / r``: with ``g`` drawn apart from ``x`` the second term is about
+    ``1/sqrt(n)`` of the first, inside the loose half tolerance of :func:`check_against_reference`
+    (a kernel using the wrong channel passed it). Here ``g`` leans on ``x``, so both terms
+    count; half inputs are exact in float64 and the maths runs in float32, so one rounding of
+    the result is all the error there is: an ulp of ``dx``'s largest value, an ulp relative."""
+    shape, channel_dim, spatial, memory_format = layout
+    x, w, gy = make_inputs(shape, channel_dim, memory_format, dtype, device=device)
+    g = (x.double() + gy.double()).to(dtype)
+    got = grads(forced(backend, channel_dim, spatial), x, w, g)[1]
+    ref = grads(lambda a, b: mrs_norm_ref(a, b, channel_dim=channel_dim, spatial=spatial),
+                x.double(), w.double(), g.double())[1]
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), ref, rtol=eps, atol=eps * ref.abs().max().item())
+
+
 def norm_model() -> nn.Sequential:
     """A small conv net with every MRSNorm module (per sample, per position, channels-last),
     weights away from 1; input ``(N, 3, 6, 6)``."""

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.checks import LAYOUTS, check_against_reference, forced, grads, make_inputs, needs_cpp
-from helpers.reference import mrs_norm_ref
+from helpers.checks import LAYOUTS, check_against_reference, check_half_gradient, forced, needs_cpp
 FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 CPP_LAYOUTS = [name for name, (_, dim, spatial, fmt) in LAYOUTS.items()
                if spatial or dim == -1 or fmt is torch.channels_last]  # channels contiguous, or per sample
@@ -70,15 +69,4 @@ HALF_CASES = [pytest.param(backend, layout, dtype, marks=needs_cpp if backend ==
 
 @pytest.mark.parametrize("backend,layout,dtype", HALF_CASES)
 def test_half_input_gradient_is_the_reference_rounded_once(backend: str, layout: str, dtype: torch.dtype) -> None:
-    # dx = w g / S - k x / r: with g drawn apart from x the second term is about 1/sqrt(n) of the first, within the
-    # loose half-precision tolerance of test_backend_matches_reference (a kernel using the wrong channel there
-    # passed it). Here g leans on x, so both terms count, and dx must be the float64 reference rounded once (half
-    # inputs are exact in float64, the maths runs in float32): an ulp of dx's largest value, an ulp relative.
-    shape, channel_dim, spatial, memory_format = LAYOUTS[layout]
-    x, w, gy = make_inputs(shape, channel_dim, memory_format, dtype)
-    g = (x.double() + gy.double()).to(dtype)
-    got = grads(forced(backend, channel_dim, spatial), x, w, g)[1]
-    ref = grads(lambda a, b: mrs_norm_ref(a, b, channel_dim=channel_dim, spatial=spatial),
-                x.double(), w.double(), g.double())[1]
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(got.double(), ref, rtol=eps, atol=eps * ref.abs().max().item())
+    check_half_gradient(backend, LAYOUTS[layout], dtype)  # g leaning on x: the k x / r term counts

@@ -18,7 +18,7 @@ import torch
 
 from lightning_mrs import mrs_norm
 from helpers import ROOT
-from helpers.checks import check_against_reference
+from helpers.checks import check_against_reference, check_half_gradient
 
 pytest.importorskip("triton")
 
@@ -50,6 +50,14 @@ def test_triton_matches_reference(layout: str, dtype: torch.dtype, affine: bool)
 
 @pytest.mark.cuda
 @runs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_triton_half_input_gradient_is_the_reference_rounded_once(layout: str, dtype: torch.dtype) -> None:
+    check_half_gradient("triton", LAYOUTS[layout], dtype, device=DEVICE)
+
+
+@pytest.mark.cuda
+@runs_triton
 def test_triton_refuses_one_scale_per_sample() -> None:
     with pytest.raises(ValueError, match=r"backend='triton'.*one S per position \(spatial=False\)"):
         mrs_norm(torch.randn(2, 4, 3, 3, device=DEVICE), channel_dim=1, spatial=True, backend="triton")
@@ -57,7 +65,8 @@ def test_triton_refuses_one_scale_per_sample() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="already under the interpreter")
 def test_triton_kernels_under_the_interpreter() -> None:
-    names = ("test_triton_matches_reference", "test_triton_refuses_one_scale_per_sample")
+    names = ("test_triton_matches_reference", "test_triton_half_input_gradient_is_the_reference_rounded_once",
+             "test_triton_refuses_one_scale_per_sample")
     nodes = [f"{__file__}::{name}" for name in names]
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
@@ -66,7 +75,7 @@ def test_triton_kernels_under_the_interpreter() -> None:
     )
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    expected = len(LAYOUTS) * len(DTYPES) + 1
+    expected = len(LAYOUTS) * (len(DTYPES) + 2) + 1
     assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary
 
 
