@@ -38,6 +38,7 @@ LAYOUTS = {
     "one_position": ((2, 6, 1, 1), 1, False, None),
 }
 DTYPES = [(torch.float32, True), (torch.float32, False), (torch.float16, True), (torch.bfloat16, True)]
+HALF_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.mark.cuda
@@ -50,7 +51,7 @@ def test_triton_matches_reference(layout: str, dtype: torch.dtype, affine: bool)
 
 @pytest.mark.cuda
 @runs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_triton_half_input_gradient_is_the_reference_rounded_once(layout: str, dtype: torch.dtype) -> None:
     check_half_gradient("triton", LAYOUTS[layout], dtype, device=DEVICE)
@@ -75,7 +76,7 @@ def test_triton_kernels_under_the_interpreter() -> None:
     )
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    expected = len(LAYOUTS) * (len(DTYPES) + 2) + 1
+    expected = len(LAYOUTS) * (len(DTYPES) + len(HALF_DTYPES)) + 1
     assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary
 
 
