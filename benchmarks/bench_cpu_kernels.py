@@ -44,6 +44,8 @@ CASES = {
     "ln_8192x1024": ((8192, 1024), (8192, 1, 1024), Layout(last=True, spatial=False), "layer_norm"),
     "ln_2048x4096": ((2048, 4096), (2048, 1, 4096), Layout(last=True, spatial=False), "layer_norm"),
     "spatial_64x64x32x32": ((64, 64, 32, 32), (64, 64, 1024), Layout(last=False, spatial=True), "group_norm"),
+    # the norm of bench_lm_step.py's Llama (batch 16 x 128 tokens of width 128): short rows
+    "lm_2048x128": ((2048, 128), (2048, 1, 128), Layout(last=True, spatial=False), "layer_norm"),
 }
 Calls = dict[str, Callable[[], object]]
 

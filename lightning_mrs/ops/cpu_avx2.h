@@ -144,12 +144,11 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
   const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
   const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
   const float* wc = w2.data();
-  // per-thread, per-channel weight-gradient rows (nt, C): pairs are summed once, at the end
-  std::vector<float> dw_acc(kDw ? static_cast<size_t>(nt) * C : 0, 0.f);
+  DwBuffers dwb(kDw, nt, C);  // per-thread, per-channel rows: pairs are summed once, at the end
   const __m256 ve = _mm256_set1_ps(eps);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    float* my = kDw ? dw_acc.data() + static_cast<size_t>(omp_get_thread_num()) * C : nullptr;
+    float* my = dwb.mine();
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < G; ++a) {
       const float inv_s = n_pairs / rsum[a];
@@ -208,11 +207,9 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
     }
   }
   if constexpr (kDw) {
-    for (int64_t p = 0; p < C / 2; ++p) {
-      float s = 0.f;
-      for (int t = 0; t < nt; ++t) s += dw_acc[t * C + 2 * p] + dw_acc[t * C + 2 * p + 1];
-      dw[p] = s;
-    }
+    std::vector<float> per_channel_dw(C);
+    dwb.reduce(per_channel_dw.data());
+    for (int64_t p = 0; p < C / 2; ++p) dw[p] = per_channel_dw[2 * p] + per_channel_dw[2 * p + 1];
   }
 }
 
@@ -272,11 +269,11 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
                 int64_t A, int64_t C, int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
   const float n_pairs = static_cast<float>(P) * static_cast<float>(L);
-  std::vector<float> dw_acc(dw ? static_cast<size_t>(nt) * P : 0, 0.f);  // per-thread rows (nt, P)
+  DwBuffers dwb(dw != nullptr, nt, P);
   const __m256 ve = _mm256_set1_ps(eps);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    float* my = dw ? dw_acc.data() + static_cast<size_t>(omp_get_thread_num()) * P : nullptr;
+    float* my = dwb.mine();
     std::vector<float> gxs(C);  // per channel sum_l g x / S of this sample
 #pragma omp for schedule(static)
     for (int64_t a = 0; a < A; ++a) {
@@ -336,13 +333,7 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
         for (int64_t p = 0; p < P; ++p) my[p] += gxs[2 * p] + gxs[2 * p + 1];
     }
   }
-  if (dw) {
-    for (int64_t p = 0; p < P; ++p) {
-      float s = 0.f;
-      for (int t = 0; t < nt; ++t) s += dw_acc[t * P + p];
-      dw[p] = s;
-    }
-  }
+  dwb.reduce(dw);
 }
 
 }  // namespace mrs::avx2
