@@ -22,6 +22,7 @@ Usage::
     python benchmarks/bench_lm_step.py --quick        # 3 rounds, a minute or two
     python benchmarks/bench_lm_step.py --threads 1 --rounds 15 --json lm_step.json
     python benchmarks/bench_lm_step.py --compile --batch 16 --rounds 7 --variants llama mrs mrs-formula
+    python benchmarks/bench_lm_step.py --compile --split   # forward, backward, optimizer apart too
 
 ``--compile`` wraps each model's forward in ``torch.compile(model.forward, fullgraph=True)``
 (the loss is computed inside it; the backward is Inductor's too). The warm-up steps pay the
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile(model.forward, fullgraph=True)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: time.perf_counter; cpu: process CPU time (steadier on a shared machine)")
+    p.add_argument("--split", action="store_true",
+                   help="also time the forward (with the loss), the backward and the optimizer step apart")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 1
@@ -118,12 +121,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             models[v].forward = torch.compile(models[v].forward, fullgraph=True)
 
-    def step(v: str) -> None:
-        opts[v].zero_grad(set_to_none=True)
-        models[v](input_ids=tokens, labels=tokens).loss.backward()
-        opts[v].step()
-
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    phases: dict[str, list[tuple[float, float, float]]] = {v: [] for v in models}  # (forward, backward, optimizer) s
+
+    def step(v: str) -> None:
+        t0 = clock()
+        opts[v].zero_grad(set_to_none=True)
+        loss = models[v](input_ids=tokens, labels=tokens).loss
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        opts[v].step()
+        phases[v].append((t1 - t0, t2 - t1, clock() - t2))
+
     times = time_steps(step, list(models), args.rounds, args.steps, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
@@ -137,10 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     for v in models:
         print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
               f"{best[v] / best[base]:7.3f}  {how[v]}")
+    split = {}
+    if args.split:  # the timed steps only (time_steps runs 2 warm-up steps first)
+        split = {v: [statistics.median(t) for t in zip(*calls[2:])] for v, calls in phases.items()}
+        print(f"\nper phase, median of the {args.rounds * args.steps} timed steps (ms, x {base})")
+        print(f"{'norm':6s} {'forward':>16s} {'backward':>16s} {'optimizer':>16s}")
+        for v, ph in split.items():
+            print(f"{v:6s} " + " ".join(f"{t * 1e3:8.2f} {t / b:7.3f}" for t, b in zip(ph, split[base])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "threads": torch.get_num_threads(), "median_s": med,
-                       "all_s": times, "layers": how}, f, indent=2)
+                       "all_s": times, "layers": how, "phase_median_s": split}, f, indent=2)
     return 0
 
 
