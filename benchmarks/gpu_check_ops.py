@@ -123,7 +123,7 @@ def check_backend_dtype(backend: str, dtype: torch.dtype, device: str,
                         expected_refusal: Callable[[str], bool], layouts: Optional[list[str]] = None,
                         compiled: bool = False) -> Outcome:
     """Every layout with ``backend`` forced (``compiled``: under ``torch.compile(fullgraph=True)``,
-    the custom op); a refusal is a failure unless ``expected_refusal(layout)``."""
+    the torch.library ops); a refusal is a failure unless ``expected_refusal(layout)``."""
     out = Outcome()
     for layout in layouts or list(LAYOUTS):
         _, channel_dim, spatial, _, _ = LAYOUTS[layout]

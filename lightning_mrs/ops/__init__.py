@@ -8,7 +8,7 @@
 ``plan.py``                  the plans: C++ rows (the fast path), a backend's fused kernels, the formula
 ``function.py``              the autograd Function saving only ``x`` and ``P * S``
 ``layout.py``                any layout as the kernels' 3-d view, and back
-``library.py``               the op as a torch.library custom op: what ``torch.compile`` sees
+``library.py``               the op as torch.library ops: what ``torch.compile`` sees
 ``torch_kernels.py``         backend ``torch``: forward/backward bodies, eager
 ``inductor_kernels.py``      backend ``inductor``: the same bodies, compiled
 ``cpu_kernels.py``, ``.cpp`` backend ``cpp``: hand-written one-pass CPU kernels

@@ -12,9 +12,9 @@ How a call runs (:func:`normalize`):
 
 * eagerly, the plan of this kind of call runs (:func:`lightning_mrs.ops.dispatch.run`: resolved
   and cached once per kind of call, see :mod:`lightning_mrs.ops.dispatch`);
-* inside ``torch.compile``, the op is one node of the graph, ``torch.ops.lightning_mrs.mrs_norm``
-  (:mod:`lightning_mrs.ops.library`), which runs the same plan: no graph break, and Inductor keeps
-  the hand-written kernels;
+* inside ``torch.compile``, an autograd Function over two ops, ``torch.ops.lightning_mrs.mrs_norm_forward``
+  and its backward (:mod:`lightning_mrs.ops.library`), which run the same plan: no graph break,
+  and Inductor keeps the hand-written kernels;
 * under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), forward-mode AD
   (``torch.autograd.forward_ad``), ``torch.export`` and ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
   transforms differentiate and batch and which an exported program records as plain torch ops.
@@ -52,7 +52,7 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
         check_backend(backend, caller)
         if backend == "eager" or torch.compiler.is_exporting() or x.numel() == 0:
             return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-        return library.mrs_norm_op(x, weight, float(eps), channel_dim, spatial, backend)[0]
+        return library.compiled_mrs_norm(x, weight, float(eps), channel_dim, spatial, backend)
     if _formula_only():
         channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
         check_backend(backend, caller)

@@ -134,7 +134,7 @@ class FusedPlan:
 class EagerPlan:
     """The reference formula, differentiated by autograd (``backend="eager"``, empty inputs).
 
-    Its ``forward``/``backward`` (the custom op's, which run below autograd, see
+    Its ``forward``/``backward`` (the torch.library ops', which run below autograd, see
     :mod:`.library`) are the torch backend's bodies, the same maths as the formula (tested
     equal); on an empty input, empty results and a zero weight gradient."""
 

@@ -1,4 +1,4 @@
-"""The op under ``torch.compile`` (``lightning_mrs.ops.library``): one custom-op node in the graph,
+"""The op under ``torch.compile`` (``lightning_mrs.ops.library``): one op node per norm in the graphs,
 no graph break, the compiled forward and backward equal to the eager op (and so to the float64
 reference), the fake kernels true to the real ones (``torch.library.opcheck``), dynamic shapes,
 and ``torch.export`` still recording the plain formula.
@@ -63,12 +63,34 @@ def _captured(fn: Callable, *args: Tensor) -> list[torch.fx.GraphModule]:
     return graphs
 
 
-def test_dynamo_records_one_op_node_per_norm_and_no_formula() -> None:
+def _aot_graphs(fn: Callable, *args: Tensor) -> dict[str, list[str]]:
+    """The call targets of the forward and backward graphs AOTAutograd hands to its compilers for
+    a forward and backward of ``fn(*args)`` (fullgraph: a break raises)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: dict[str, list[str]] = {}
+
+    def capture(kind: str) -> Callable:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            graphs[kind] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw")),
+                        fullgraph=True)(*args)
+    out.sum().backward()
+    return graphs
+
+
+def test_compiled_graphs_hold_one_op_node_per_norm_and_no_formula() -> None:
     model = norm_model()
-    (graph,) = _captured(model, torch.randn(2, 3, 6, 6))  # one graph: no break
-    targets = [str(n.target) for n in graph.graph.nodes if n.op in ("call_function", "call_method")]
-    assert sum("lightning_mrs.mrs_norm" in t for t in targets) == 3  # the model's three MRSNorm layers
-    assert not any("sqrt" in t for t in targets)  # the formula is not traced
+    graphs = _aot_graphs(model, torch.randn(2, 3, 6, 6, requires_grad=True))
+    # the model's three MRSNorm layers: the forward op, and its backward op in the backward graph
+    assert sum("lightning_mrs.mrs_norm_forward" in t for t in graphs["fw"]) == 3
+    assert sum("lightning_mrs.mrs_norm_backward_kernels" in t for t in graphs["bw"]) == 3
+    assert not any("sqrt" in t for t in graphs["fw"] + graphs["bw"])  # the formula is not traced
 
 
 def test_graph_break_count_is_zero_for_every_module() -> None:
