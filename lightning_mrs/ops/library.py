@@ -65,7 +65,9 @@ def _forward(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, 
     """``(y, r_sum)`` of MRSNorm (``channel_dim >= 0``, arguments checked by the caller)."""
     plan = plan_for(x, weight, eps, channel_dim, spatial, backend, "mrs_norm")
     y, r_sum = plan.forward(x, weight, eps)
-    return (y if plan.like_x else _as_promised(y, x)), r_sum.reshape(-1)
+    if plan.like_x:  # the row kernels: y from empty_like(x), r_sum already (groups,)
+        return y, r_sum
+    return _as_promised(y, x), r_sum.reshape(-1)
 
 
 def _forward_fake(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
@@ -77,8 +79,12 @@ def _backward(grad: Tensor, x: Tensor, weight: Optional[Tensor], r_sum: Tensor, 
               spatial: bool, backend: str, need_weight_grad: bool) -> tuple[Tensor, Tensor]:
     """``(dx, dw)`` of :func:`_forward` for the upstream gradient ``grad``."""
     plan = plan_for(x, weight, eps, channel_dim, spatial, backend, "mrs_norm")
-    dx, dw = plan.backward(x, weight, r_sum.view(plan.rsum_shape), grad, eps, need_weight_grad)
-    return (dx if plan.like_x else _as_promised(dx, x)), (dw if dw is not None else x.new_empty(0))
+    if plan.like_x:  # the row kernels: r_sum is their (groups,), dx from empty_like(x)
+        dx, dw = plan.backward(x, weight, r_sum, grad, eps, need_weight_grad)
+    else:
+        dx, dw = plan.backward(x, weight, r_sum.view(plan.rsum_shape), grad, eps, need_weight_grad)
+        dx = _as_promised(dx, x)
+    return dx, (dw if dw is not None else x.new_empty(0))
 
 
 def _backward_fake(grad: Tensor, x: Tensor, weight: Optional[Tensor], r_sum: Tensor, eps: float, channel_dim: int,

@@ -88,7 +88,9 @@ class RowsPlan:
             g = g.to(x.dtype)
         dx, dw = cpu_kernels.rows_backward(x, weight, r_sum, g, eps, self.groups, 1, self.channels,
                                            need_weight_grad)
-        return dx, (None if dw is None else dw.to(weight.dtype))  # type: ignore[union-attr]
+        if dw is None or weight.dtype == torch.float32:  # type: ignore[union-attr]
+            return dx, dw  # dw: float32 from the kernels
+        return dx, dw.to(weight.dtype)  # type: ignore[union-attr]
 
 
 class FusedPlan:
