@@ -13,7 +13,7 @@ Why two plain ops under an autograd Function, and not one ``torch.library.custom
 backward registered (what ran before): a ``custom_op`` runs its Python wrappers (the autograd
 redispatch, ``_disable_dynamo``, the aliasing checks) on every call of the compiled graph. Inside
 a compiled Llama training step those cost 86 us a forward and 106 us a backward call; these
-ops, which have no autograd kernel of their own (the graph runs below autograd), 56 and 64 us
+ops, which have no autograd kernel of their own (the graph runs below autograd), 42 and 49 us
 (``docs/performance-lm.md#the-compiled-llama-step``). The public ``custom_op``s,
 ``torch.ops.lightning_mrs.mrs_norm`` and ``mrs_norm_backward``, stay for direct callers and
 ``torch.library.opcheck``; they run the same bodies.
