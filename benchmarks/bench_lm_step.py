@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         opts[v].step()
         phases[v].append((t1 - t0, t2 - t1, clock() - t2))
 
-    times = time_steps(step, list(models), args.rounds, args.steps, clock=clock)  # a random order each round
+    warmup = 2  # untimed steps per model first: the compiles, the allocator
+    times = time_steps(step, list(models), args.rounds, args.steps, warmup=warmup, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
               f"{best[v] / best[base]:7.3f}  {how[v]}")
     split = {}
-    if args.split:  # the timed steps only (time_steps runs 2 warm-up steps first)
-        split = {v: [statistics.median(t) for t in zip(*calls[2:])] for v, calls in phases.items()}
+    if args.split:  # the timed steps only
+        split = {v: [statistics.median(t) for t in zip(*calls[warmup:])] for v, calls in phases.items()}
         print(f"\nper phase, median of the {args.rounds * args.steps} timed steps (ms, x {base})")
         print(f"{'norm':6s} {'forward':>16s} {'backward':>16s} {'optimizer':>16s}")
         for v, ph in split.items():

@@ -177,7 +177,7 @@ inline const float* weight_f32(const void* w, int wkind, int64_t P, std::vector<
 // two threads write the same address, and no second pass over x and g is needed. The rows are
 // pages apart: adjacent rows (even a cache line or more apart, as they were) made the two-thread
 // backward of 2048 x 128 rows x1.9 slower in float32 and bfloat16 on an Intel AVX-512 Xeon
-// (bench_cpu_kernels.py lm_2048x128: 0.125 -> 0.061 ms, 0.150 -> 0.082 ms), most likely the
+// (bench_cpu_kernels.py lm_2048x128: 0.114 -> 0.060 ms, 0.166 -> 0.082 ms), most likely the
 // hardware prefetchers pulling the other thread's lines of the same page. Rows each thread
 // allocated itself, in its own malloc arena, fixed float32 and slowed bfloat16.
 class DwBuffers {
@@ -185,26 +185,30 @@ class DwBuffers {
   static constexpr int64_t kPage = 4096 / sizeof(float);  // floats per 4 KiB page
   DwBuffers(bool on, int nt, int64_t n)
       : nt_(nt), n_(n), stride_(((n + kPage - 1) / kPage + 1) * kPage),  // whole pages, one spare
-        acc_(on ? static_cast<size_t>(nt * stride_ + kPage) : 0, 0.f) {}
+        acc_(on ? static_cast<size_t>(nt * stride_ + kPage) : 0, 0.f), base_(first_page(acc_)) {}
+  DwBuffers(const DwBuffers&) = delete;  // base_ points into acc_
+  DwBuffers& operator=(const DwBuffers&) = delete;
   // The calling thread's row, or null without a weight gradient.
-  float* mine() { return acc_.empty() ? nullptr : row(omp_get_thread_num()); }
-  void reduce(float* dw) {
-    if (acc_.empty()) return;
+  float* mine() { return base_ ? base_ + omp_get_thread_num() * stride_ : nullptr; }
+  void reduce(float* dw) const {
+    if (!base_) return;
     for (int64_t p = 0; p < n_; ++p) {
       float s = 0.f;
-      for (int t = 0; t < nt_; ++t) s += row(t)[p];
+      for (int t = 0; t < nt_; ++t) s += base_[t * stride_ + p];
       dw[p] = s;
     }
   }
 
  private:
-  float* row(int t) {  // from the first page boundary in the buffer
-    const auto misalign = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(acc_.data()) % 4096 / sizeof(float));
-    return acc_.data() + (misalign ? kPage - misalign : 0) + t * stride_;
+  static float* first_page(std::vector<float>& acc) {  // the buffer's first page boundary
+    if (acc.empty()) return nullptr;
+    const auto misalign = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(acc.data()) % 4096 / sizeof(float));
+    return acc.data() + (misalign ? kPage - misalign : 0);
   }
   int nt_;
   int64_t n_, stride_;
-  std::vector<float> acc_;
+  std::vector<float> acc_;  // never resized: base_ points into it
+  float* base_;
 };
 
 }  // namespace mrs

@@ -65,9 +65,8 @@ def _forward(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, 
     """``(y, r_sum)`` of MRSNorm (``channel_dim >= 0``, arguments checked by the caller)."""
     plan = plan_for(x, weight, eps, channel_dim, spatial, backend, "mrs_norm")
     y, r_sum = plan.forward(x, weight, eps)
-    if plan.like_x:  # the row kernels: y from empty_like(x), r_sum already (groups,)
-        return y, r_sum
-    return _as_promised(y, x), r_sum.reshape(-1)
+    # the row kernels' r_sum is already (groups,): no reshape call on the compiled graph's hot path
+    return (y if plan.like_x else _as_promised(y, x)), (r_sum if r_sum.dim() == 1 else r_sum.reshape(-1))
 
 
 def _forward_fake(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
@@ -105,23 +104,34 @@ torch.library.register_fake("lightning_mrs::mrs_norm_forward", _forward_fake, li
 torch.library.register_fake("lightning_mrs::mrs_norm_backward_kernels", _backward_fake, lib=_LIB)
 
 
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    x, weight, eps, channel_dim, spatial, backend = inputs
+    ctx.save_for_backward(x, weight, output[1])  # r_sum = P * S: one value per group
+    ctx.config = (eps, channel_dim, spatial, backend)
+
+
+def _grads(ctx: Any, g: Tensor, backward_op: Any) -> tuple[Optional[Tensor], ...]:
+    """The inputs' gradients from what :func:`_setup_context` saved, by ``backward_op`` (one of the
+    two backward ops: they run the same body)."""
+    x, weight, r_sum = ctx.saved_tensors
+    need_w = weight is not None and ctx.needs_input_grad[1]
+    dx, dw = backward_op(g, x, weight, r_sum, *ctx.config, need_w)
+    return (dx if ctx.needs_input_grad[0] else None), (dw if need_w else None), None, None, None, None
+
+
 class _CompiledMRSNorm(torch.autograd.Function):
     """What Dynamo traces: the forward op, and the backward op in the backward graph."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
                 backend: str) -> Tensor:
-        y, r_sum = torch.ops.lightning_mrs.mrs_norm_forward.default(x, weight, eps, channel_dim, spatial, backend)
-        ctx.save_for_backward(x, weight, r_sum)  # r_sum = P * S: one value per group
-        ctx.config = (eps, channel_dim, spatial, backend)
-        return y
+        out = torch.ops.lightning_mrs.mrs_norm_forward.default(x, weight, eps, channel_dim, spatial, backend)
+        _setup_context(ctx, (x, weight, eps, channel_dim, spatial, backend), out)
+        return out[0]
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Optional[Tensor], ...]:
-        x, weight, r_sum = ctx.saved_tensors
-        need_w = weight is not None and ctx.needs_input_grad[1]
-        dx, dw = torch.ops.lightning_mrs.mrs_norm_backward_kernels.default(g, x, weight, r_sum, *ctx.config, need_w)
-        return (dx if ctx.needs_input_grad[0] else None), (dw if need_w else None), None, None, None, None
+        return _grads(ctx, g, torch.ops.lightning_mrs.mrs_norm_backward_kernels.default)
 
 
 def compiled_mrs_norm(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
@@ -152,17 +162,8 @@ def mrs_norm_backward_op(grad: Tensor, x: Tensor, weight: Optional[Tensor], r_su
 mrs_norm_backward_op.register_fake(_backward_fake)
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    x, weight, eps, channel_dim, spatial, backend = inputs
-    ctx.save_for_backward(x, weight, output[1])  # r_sum = P * S: one value per group
-    ctx.config = (eps, channel_dim, spatial, backend)
-
-
 def _op_backward(ctx: Any, g: Tensor, _g_rsum: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-    x, weight, r_sum = ctx.saved_tensors
-    need_w = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = mrs_norm_backward_op(g, x, weight, r_sum, *ctx.config, need_w)
-    return (dx if ctx.needs_input_grad[0] else None), (dw if need_w else None), None, None, None, None
+    return _grads(ctx, g, mrs_norm_backward_op)
 
 
 mrs_norm_op.register_autograd(_op_backward, setup_context=_setup_context)
