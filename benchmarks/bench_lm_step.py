@@ -8,7 +8,11 @@ The model is a transformers ``LlamaForCausalLM`` built from a config (nothing do
 * ``rms``: every norm replaced by ``nn.RMSNorm`` (``swap_norms(model, target="rms")``);
 * ``mrs``: every norm replaced by ``MRSNorm`` (``swap_norms(model, target="mrs")``);
 * ``mrs-formula`` (not run by default): ``mrs`` with ``backend="eager"``, the reference formula
-  (under ``--compile``: Inductor's own code for it, the compiled path before the custom op).
+  (under ``--compile``: Inductor's own code for it, the compiled path before the custom op);
+* ``mrs-python-ops`` (not run by default; under ``--compile``): ``mrs`` traced with the general
+  ops of ``lightning_mrs.ops.library`` in place of the C++ row operators, whose Python bodies
+  run the same kernels (``bench_compiled_norm.python_ops``). Its norms are a subclass of
+  ``MRSNorm``, so that Dynamo does not hand it the graph traced for ``mrs``.
 
 The swaps go through :func:`lightning_mrs.swap_norms`; a swap that converts nothing (or
 leaves a ``LlamaRMSNorm`` behind) stops the benchmark with an error rather than timing the
@@ -43,11 +47,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import time_steps  # noqa: E402 - the sibling helper
+from bench_compiled_norm import PythonOpsMRSNorm, python_ops  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import swap_norms  # noqa: E402
 
-VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs", "mrs-formula": "mrs"}  # name -> swap target
+VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs", "mrs-formula": "mrs", "mrs-python-ops": "mrs"}  # -> swap target
 DEFAULT_VARIANTS = ["llama", "rms", "mrs"]
 
 
@@ -81,6 +86,11 @@ def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, s
             if n in report.converted:
                 m.backend = "eager"
         how += ", backend='eager'"
+    if variant == "mrs-python-ops":
+        for n, m in model.named_modules():
+            if n in report.converted:
+                m.__class__ = PythonOpsMRSNorm
+        how += ", the general ops when compiled"
     return model, how
 
 
@@ -134,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         opts[v].step()
         phases[v].append((t1 - t0, t2 - t1, clock() - t2))
 
+    if args.compile and "mrs-python-ops" in models:  # traced now, with the general ops
+        with python_ops():
+            step("mrs-python-ops")
+        phases["mrs-python-ops"].clear()
     warmup = 2  # untimed steps per model first: the compiles, the allocator
     times = time_steps(step, list(models), args.rounds, args.steps, warmup=warmup, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}
@@ -144,17 +158,18 @@ def main(argv: list[str] | None = None) -> int:
           f"bytes; {torch.get_num_threads()} threads, {args.clock} clock, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
     print(cpu_line())
-    print(f"{'norm':6s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
+    w = max(6, *map(len, models))  # the variant names' column
+    print(f"{'norm':{w}s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
     for v in models:
-        print(f"{v:6s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
+        print(f"{v:{w}s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
               f"{best[v] / best[base]:7.3f}  {how[v]}")
     split = {}
     if args.split:  # the timed steps only
         split = {v: [statistics.median(t) for t in zip(*calls[warmup:])] for v, calls in phases.items()}
         print(f"\nper phase, median of the {args.rounds * args.steps} timed steps (ms, x {base})")
-        print(f"{'norm':6s} {'forward':>16s} {'backward':>16s} {'optimizer':>16s}")
+        print(f"{'norm':{w}s} {'forward':>16s} {'backward':>16s} {'optimizer':>16s}")
         for v, ph in split.items():
-            print(f"{v:6s} " + " ".join(f"{t * 1e3:8.2f} {t / b:7.3f}" for t, b in zip(ph, split[base])))
+            print(f"{v:{w}s} " + " ".join(f"{t * 1e3:8.2f} {t / b:7.3f}" for t, b in zip(ph, split[base])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "threads": torch.get_num_threads(), "median_s": med,

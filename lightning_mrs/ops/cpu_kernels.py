@@ -38,6 +38,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -120,9 +121,19 @@ def using(name: str) -> Iterator[None]:
     try:
         if _lib() is None:
             raise RuntimeError(f"the {name!r} CPU kernels could not be built here: {build_error()}")
+        _publish()
         yield
     finally:
         _STATE = before
+        _publish()
+
+
+def _publish() -> None:
+    """Hand the kernels in use to the compiled graphs' operators, once they are loaded
+    (:mod:`.cpu_torch_ops`: they hold the kernels' addresses, not this module's state)."""
+    ops = sys.modules.get("lightning_mrs.ops.cpu_torch_ops")
+    if ops is not None:
+        ops.sync()
 
 
 def _cpu_signature() -> str:
@@ -228,6 +239,7 @@ def _lib() -> Optional[ctypes.CDLL]:
             if "lib" not in _STATE:
                 try:
                     _STATE["lib"] = _build()
+                    _publish()
                 except Exception as err:  # no compiler, no OpenMP, unwritable cache...
                     _STATE["lib"] = None
                     _STATE["error"] = f"{type(err).__name__}: {err}"

@@ -2,12 +2,22 @@
 
 Inside ``torch.compile``, :func:`lightning_mrs.mrs_norm` (and so every module) calls
 :func:`compiled_mrs_norm`: an autograd Function that Dynamo traces (no graph break) over two
-ops, ``torch.ops.lightning_mrs.mrs_norm_forward`` and ``mrs_norm_backward_kernels``, whose fake
-kernels tell AOTAutograd and Inductor the outputs' shapes, dtypes and strides. When the
-compiled graph runs, both call the plan an eager call of the same kind runs
-(:func:`lightning_mrs.ops.dispatch.plan_for`): the hand-written C++ kernels on the CPU, the
-Triton kernels on CUDA, and what the backward needs saved is only ``x``, the weight and
-``P * S`` per group.
+ops, whose fake kernels tell AOTAutograd and Inductor the outputs' shapes, dtypes and strides:
+
+* for contiguous channels-last CPU tokens, the calls an eager ``mrs_norm`` runs as
+  :class:`~lightning_mrs.ops.plan.RowsPlan` (asked of :func:`~lightning_mrs.ops.dispatch.plan_for`
+  when tracing, by :func:`_runs_rows`), ``torch.ops.lightning_mrs.rows_forward`` and
+  ``rows_backward``: C++ operators that run the same row kernels with no Python on the way
+  (:mod:`.cpu_torch_ops`; where they cannot be built, the general ops below);
+* for every other call, ``torch.ops.lightning_mrs.mrs_norm_forward`` and
+  ``mrs_norm_backward_kernels``, whose Python bodies call the plan an eager call of the same
+  kind runs: the hand-written C++ kernels on the CPU, the Triton kernels on CUDA.
+
+What the backward needs saved is only ``x``, the weight and ``P * S`` per group. The choice of
+the C++ operators is made once, when tracing, and kept in the graph (a kernel set chosen later
+with :func:`lightning_mrs.ops.cpu_kernels.using` still applies: they read the set in use). Dynamo
+also hands a graph traced for one module to another of the same class and shapes, so setting
+``LIGHTNING_MRS_CPU_TORCH_OPS`` later takes effect after ``torch._dynamo.reset()``.
 
 Why two plain ops under an autograd Function, and not one ``torch.library.custom_op`` with its
 backward registered (what ran before): a ``custom_op`` runs its Python wrappers (the autograd
@@ -105,39 +115,78 @@ torch.library.register_fake("lightning_mrs::mrs_norm_backward_kernels", _backwar
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    x, weight, eps, channel_dim, spatial, backend = inputs
+    x, weight, eps, channel_dim, spatial, backend = inputs[:6]
     ctx.save_for_backward(x, weight, output[1])  # r_sum = P * S: one value per group
     ctx.config = (eps, channel_dim, spatial, backend)
+    ctx.rows = len(inputs) > 6 and inputs[6]  # the C++ row operators (cpu_torch_ops)
 
 
 def _grads(ctx: Any, g: Tensor, backward_op: Any) -> tuple[Optional[Tensor], ...]:
     """The inputs' gradients from what :func:`_setup_context` saved, by ``backward_op`` (one of the
-    two backward ops: they run the same body)."""
+    two backward ops: they run the same body) or, for the row operators, ``rows_backward``."""
     x, weight, r_sum = ctx.saved_tensors
     need_w = weight is not None and ctx.needs_input_grad[1]
-    dx, dw = backward_op(g, x, weight, r_sum, *ctx.config, need_w)
+    if ctx.rows:
+        dx, dw = torch.ops.lightning_mrs.rows_backward.default(g, x, weight, r_sum, ctx.config[0], need_w)
+    else:
+        dx, dw = backward_op(g, x, weight, r_sum, *ctx.config, need_w)
     return (dx if ctx.needs_input_grad[0] else None), (dw if need_w else None), None, None, None, None
 
 
 class _CompiledMRSNorm(torch.autograd.Function):
-    """What Dynamo traces: the forward op, and the backward op in the backward graph."""
+    """What Dynamo traces: the forward op, and the backward op in the backward graph (``rows``:
+    the C++ row operators, else the general ops)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
-                backend: str) -> Tensor:
-        out = torch.ops.lightning_mrs.mrs_norm_forward.default(x, weight, eps, channel_dim, spatial, backend)
-        _setup_context(ctx, (x, weight, eps, channel_dim, spatial, backend), out)
+                backend: str, rows: bool) -> Tensor:
+        if rows:
+            out = torch.ops.lightning_mrs.rows_forward.default(x, weight, eps)
+        else:
+            out = torch.ops.lightning_mrs.mrs_norm_forward.default(x, weight, eps, channel_dim, spatial, backend)
+        _setup_context(ctx, (x, weight, eps, channel_dim, spatial, backend, rows), out)
         return out[0]
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Optional[Tensor], ...]:
-        return _grads(ctx, g, torch.ops.lightning_mrs.mrs_norm_backward_kernels.default)
+        return *_grads(ctx, g, torch.ops.lightning_mrs.mrs_norm_backward_kernels.default), None  # rows: None
+
+
+@torch.compiler.assume_constant_result  # evaluated once when tracing, its answer kept in the graph
+def _runs_rows(dtype: torch.dtype, ndim: int, weight: Optional[tuple], channel_dim: int, spatial: bool,
+               backend: str) -> bool:
+    """Whether an eager call on a contiguous plain CPU tensor of ``dtype`` with ``ndim`` dims, its
+    channels in ``channel_dim``, runs :class:`~lightning_mrs.ops.plan.RowsPlan`, and the C++ row
+    operators can stand in for it. Asked of :func:`~lightning_mrs.ops.dispatch.plan_for` itself,
+    on a probe of that kind: the one router decides (``weight``: ``None`` or its dtype and
+    whether it is a contiguous plain tensor or parameter; ``eps``, which the caller checked,
+    decides nothing and is left out: Dynamo may trace it as a symbolic float)."""
+    from lightning_mrs.ops import cpu_torch_ops
+    from lightning_mrs.ops.plan import RowsPlan
+
+    if channel_dim != ndim - 1 or spatial:  # elsewhere the layout may depend on the sizes
+        return False
+    w = None
+    if weight is not None:
+        w_dtype, w_plain = weight
+        if not w_plain:
+            return False
+        w = torch.ones(1, dtype=w_dtype)  # (P,) of the probe's C = 2
+    probe = torch.zeros((1,) * (ndim - 1) + (2,), dtype=dtype)
+    return isinstance(plan_for(probe, w, 1e-6, channel_dim, spatial, backend), RowsPlan) and cpu_torch_ops.load()
 
 
 def compiled_mrs_norm(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
                       backend: str) -> Tensor:
     """MRSNorm as ``torch.compile`` records it (``channel_dim >= 0``, arguments checked by the caller)."""
-    return _CompiledMRSNorm.apply(x, weight, eps, channel_dim, spatial, backend)
+    rows = (
+        type(x) is Tensor and x.device.type == "cpu" and x.is_contiguous()
+        and _runs_rows(x.dtype, x.dim(), None if weight is None else (
+            # bool(): a constant under dynamic shapes too (Dynamo guards on it)
+            weight.dtype, type(weight) in (Tensor, torch.nn.Parameter) and bool(weight.is_contiguous())
+            and weight.device.type == "cpu"), channel_dim, spatial, backend)
+    )
+    return _CompiledMRSNorm.apply(x, weight, eps, channel_dim, spatial, backend, rows)
 
 
 # --- the public custom ops: for direct callers and torch.library.opcheck, the same bodies ------

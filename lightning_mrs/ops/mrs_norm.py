@@ -12,9 +12,10 @@ How a call runs (:func:`normalize`):
 
 * eagerly, the plan of this kind of call runs (:func:`lightning_mrs.ops.dispatch.run`: resolved
   and cached once per kind of call, see :mod:`lightning_mrs.ops.dispatch`);
-* inside ``torch.compile``, an autograd Function over two ops, ``torch.ops.lightning_mrs.mrs_norm_forward``
-  and its backward (:mod:`lightning_mrs.ops.library`), which run the same plan: no graph break,
-  and Inductor keeps the hand-written kernels;
+* inside ``torch.compile``, an autograd Function over two ops (:mod:`lightning_mrs.ops.library`):
+  for CPU tokens the C++ row operators ``torch.ops.lightning_mrs.rows_forward`` and
+  ``rows_backward``, else ``mrs_norm_forward`` and its backward, which run the same plan: no
+  graph break, and Inductor keeps the hand-written kernels;
 * under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), forward-mode AD
   (``torch.autograd.forward_ad``), ``torch.export`` and ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
   transforms differentiate and batch and which an exported program records as plain torch ops.

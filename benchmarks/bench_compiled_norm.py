@@ -1,0 +1,168 @@
+"""Per-call time of one norm under ``torch.compile`` on the CPU: MRSNorm against the norms Inductor
+compiles itself.
+
+Every row is a module compiled with ``fullgraph=True, dynamic=False`` and timed interleaved with
+the others in one process (``interleave.round_orders``), so machine noise hits them alike:
+
+==================================  ============================================================
+row                                 what the compiled graph calls
+==================================  ============================================================
+``MRSNorm compiled``                the C++ row operators (``lightning_mrs.ops.cpu_torch_ops``)
+``MRSNorm compiled, Python ops``    the general ops, whose Python bodies run the same kernels
+                                    (``LIGHTNING_MRS_CPU_TORCH_OPS=0`` while it is traced)
+``nn.RMSNorm compiled``             Inductor's own fused kernel: the ratio's denominator
+``LlamaRMSNorm compiled``           the same, for transformers' norm (when it is installed)
+==================================  ============================================================
+
+Modes: ``inference`` (a forward under ``torch.no_grad``) and ``train`` (a forward and the
+backward of the input and the weight). Shapes: ``lm_2048x128`` (a norm of
+``bench_lm_step.py``'s Llama, batch 16) and ``decode_1x128`` (one token: where a call's fixed
+cost is all there is). The ``ops`` column names the ``lightning_mrs`` operators each row's graph
+called (checked with a dispatch mode on one call), so a row cannot measure the wrong path.
+
+Usage::
+
+    python benchmarks/bench_compiled_norm.py
+    python benchmarks/bench_compiled_norm.py --threads 1 --rounds 21 --dtype float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from interleave import time_steps  # noqa: E402 - the sibling helper
+from machine import cpu_line  # noqa: E402
+
+from lightning_mrs import MRSNorm  # noqa: E402
+
+SHAPES = {"lm_2048x128": (2048, 128), "decode_1x128": (1, 128)}
+MODES = ("inference", "train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DENOMINATOR = "nn.RMSNorm compiled"
+_ENV = "LIGHTNING_MRS_CPU_TORCH_OPS"
+
+
+@contextmanager
+def python_ops() -> Iterator[None]:
+    """What is traced inside the block calls the general ops, not the C++ row operators
+    (``LIGHTNING_MRS_CPU_TORCH_OPS=0``; a graph keeps what it was traced with)."""
+    before = os.environ.get(_ENV)
+    os.environ[_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = before
+
+
+class PythonOpsMRSNorm(MRSNorm):
+    """MRSNorm under another class: Dynamo reuses a graph traced for a module of the same class
+    and shapes, which would give this row the other's graph (the operators are chosen when
+    tracing)."""
+
+
+def rows(width: int) -> dict[str, tuple[Callable[[], nn.Module], bool]]:
+    """Row name -> (module factory, whether it is traced under :func:`python_ops`)."""
+    out: dict[str, tuple[Callable[[], nn.Module], bool]] = {
+        "MRSNorm compiled": (lambda: MRSNorm(width), False),
+        "MRSNorm compiled, Python ops": (lambda: PythonOpsMRSNorm(width), True),
+        DENOMINATOR: (lambda: nn.RMSNorm(width), False),
+    }
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        return out
+    out["LlamaRMSNorm compiled"] = (lambda: LlamaRMSNorm(width), False)
+    return out
+
+
+def lightning_ops(call: Callable[[], None]) -> list[str]:
+    """The ``lightning_mrs`` operators one ``call()`` runs (by the profiler: a dispatch mode would
+    make the compiled function trace again)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return sorted({e.name.split("::")[1] for e in prof.events() if e.name.startswith("lightning_mrs::")})
+
+
+class Case:
+    """One compiled module, its input and the call that is timed."""
+
+    def __init__(self, factory: Callable[[], nn.Module], with_python_ops: bool, x: Tensor, train: bool) -> None:
+        self.module = factory().to(x.dtype)
+        self.fn = torch.compile(self.module, fullgraph=True, dynamic=False)
+        self.train = train
+        self.x = x.detach().requires_grad_(train)
+        self.gy = torch.randn_like(x)
+        with python_ops() if with_python_ops else nullcontext():
+            self()  # traced and compiled here, under the row's setting
+        self.ops = lightning_ops(self)
+
+    def __call__(self) -> None:
+        if not self.train:
+            with torch.no_grad():
+                self.fn(self.x)
+            return
+        self.fn(self.x).backward(self.gy)
+        self.x.grad = None
+        self.module.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median)")
+    p.add_argument("--calls", type=int, default=None,
+                   help="calls per row and round (default: 20 on lm_2048x128, 200 on decode_1x128)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--quick", action="store_true", help="3 rounds of 5 calls")
+    p.add_argument("--json", default=None, help="write the raw figures to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = 3, 5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"One norm under torch.compile (fullgraph, dynamic=False); torch {torch.__version__}; "
+          f"median of {args.rounds} interleaved rounds")
+    print(cpu_line())
+    report: dict[str, dict] = {}
+    for shape_name in args.shapes:
+        shape = SHAPES[shape_name]
+        calls = args.calls or (20 if shape[0] > 1 else 200)
+        for dtype_name in args.dtype:
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(DTYPES[dtype_name])
+            for mode in args.modes:
+                cases = {name: Case(f, py, x, mode == "train") for name, (f, py) in rows(shape[-1]).items()}
+                times = time_steps(lambda n: cases[n](), list(cases), args.rounds, calls)
+                med = {n: statistics.median(t) for n, t in times.items()}
+                fast = {n: min(t) for n, t in times.items()}
+                key = f"{shape_name} {dtype_name} {mode}"
+                print(f"\n{key} ({calls} calls a round)")
+                print(f"{'row':30s} {'median us':>10s} {'x ' + DENOMINATOR:>22s} {'min us':>8s} {'min x':>7s}  ops")
+                for n, case in cases.items():
+                    print(f"{n:30s} {med[n] * 1e6:10.1f} {med[n] / med[DENOMINATOR]:22.3f} {fast[n] * 1e6:8.1f} "
+                          f"{fast[n] / fast[DENOMINATOR]:7.3f}  {', '.join(case.ops) or '-'}")
+                report[key] = {"median_s": med, "min_s": fast, "all_s": times,
+                               "ops": {n: c.ops for n, c in cases.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

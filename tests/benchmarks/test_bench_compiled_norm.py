@@ -1,0 +1,58 @@
+"""``benchmarks/bench_compiled_norm.py`` (and ``bench_lm_step.py``'s ``mrs-python-ops``): each row
+times the compiled path it names - the C++ row operators, or the general ops - not the other."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT
+
+from lightning_mrs.ops import cpu_torch_ops
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_compiled_norm as bench  # noqa: E402 - the benchmark under test
+
+pytestmark = pytest.mark.skipif(not cpu_torch_ops.load(), reason=f"no C++ operators here: {cpu_torch_ops.build_error()}")
+
+ROWS = ["rows_backward", "rows_forward"]
+GENERAL = ["mrs_norm_backward_kernels", "mrs_norm_forward"]
+
+
+def test_each_row_runs_the_ops_it_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compiled.json"
+    argv = ["--shapes", "decode_1x128", "--rounds", "2", "--calls", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "decode_1x128 float32 train" in printed and "x nn.RMSNorm compiled" in printed
+    data = json.loads(out.read_text())
+    assert data["decode_1x128 float32 train"]["ops"]["MRSNorm compiled"] == ROWS
+    assert data["decode_1x128 float32 train"]["ops"]["MRSNorm compiled, Python ops"] == GENERAL
+    assert data["decode_1x128 float32 inference"]["ops"]["MRSNorm compiled"] == ["rows_forward"]
+    assert data["decode_1x128 float32 inference"]["ops"][bench.DENOMINATOR] == []
+    for key in data:
+        assert all(t > 0 for t in data[key]["median_s"].values())
+
+
+def test_the_lm_steps_python_ops_variant_traces_the_general_ops() -> None:
+    pytest.importorskip("transformers")
+    import bench_lm_step
+
+    tokens = torch.randint(0, 256, (2, 8))
+    seen = {}
+    for variant in ("mrs", "mrs-python-ops"):
+        model, how = bench_lm_step.build(variant, layers=1, width=32, seq=8)
+        forward = torch.compile(model.forward, fullgraph=True)
+
+        def step() -> None:
+            forward(input_ids=tokens, labels=tokens).loss.backward()
+
+        with bench.python_ops() if variant == "mrs-python-ops" else nullcontext():
+            step()  # traced here
+        seen[variant] = bench.lightning_ops(step)
+    assert seen == {"mrs": ROWS, "mrs-python-ops": GENERAL}
