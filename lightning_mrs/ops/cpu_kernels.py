@@ -188,30 +188,43 @@ def _flag_sets() -> list[list[str]]:
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
 
 
+def compile_cached(name: str, cxx: str, flags: list[str], source: Path, contents: list[bytes],
+                   libs: tuple[str, ...] = ()) -> tuple[Path, Optional[str]]:
+    """``(path, error)``: the library ``<name>_<key>.so`` in the cache folder, compiled by
+    ``cxx *flags source *libs -o path`` unless it is there already. ``key`` hashes ``contents``
+    (what the sources hold, and what else must force a rebuild), the compiler's version, ``flags``
+    and ``libs``; ``error`` is the compiler's message when the compile failed, else ``None``.
+    Shared by these kernels and :mod:`.cpu_torch_ops`."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    parts = [*contents, version.encode(), " ".join([*flags, *libs]).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+    target = _cache_dir() / f"{name}_{key}.so"
+    if target.exists():
+        return target, None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes (DDP ranks) each build a
+    # complete file and the rename is atomic, so no lock is needed.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    proc = subprocess.run([cxx, *flags, str(source), *libs, "-o", tmp], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return target, proc.stderr
+    os.replace(tmp, target)
+    return target, None
+
+
 def _build() -> ctypes.CDLL:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     source = b"\0".join(f.read_bytes() for f in (SOURCE, *HEADERS))
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     errors = []
     for flags in _flag_sets():
-        parts = [source, version.encode(), " ".join(flags).encode(), _cpu_signature().encode()]
-        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-        target = _cache_dir() / f"mrs_norm_cpu_{key}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Build beside the target and rename: concurrent processes (DDP ranks) each
-            # build a complete file and the rename is atomic, so no lock is needed.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-            cmd = [cxx, *flags, str(SOURCE), "-o", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                os.unlink(tmp)
-                errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
-                continue
-            os.replace(tmp, target)
+        target, error = compile_cached("mrs_norm_cpu", cxx, flags, SOURCE, [source, _cpu_signature().encode()])
+        if error is not None:
+            errors.append(f"{' '.join(flags)}: {error.strip()[-400:]}")
+            continue
         lib = ctypes.CDLL(str(target))
         _declare(lib)
         _STATE["flags"] = " ".join(flags)

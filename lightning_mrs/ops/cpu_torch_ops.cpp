@@ -54,31 +54,25 @@ int threads(int64_t numel) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), numel / per)));
 }
 
-// (x's channels, groups), after the checks every call of the two ops shares.
-std::tuple<int64_t, int64_t> rows_of(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                     const char* op) {
+// What a call of either op hands the kernels, after the checks both share.
+struct Rows {
+  int64_t C, G;        // channels, groups (one S per row)
+  const void* w;       // the weight, or null
+  int wkind;           // its dtype as cpu_kernels.py's _WKIND (0: none)
+};
+
+Rows rows_of(const at::Tensor& x, const std::optional<at::Tensor>& weight, const char* op) {
   TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "lightning_mrs::", op,
               ": x must be a contiguous tensor with the channels in its last dim (got strides ",
               x.strides(), "); call lightning_mrs.mrs_norm, which handles every layout");
   const int64_t C = x.size(-1);
   TORCH_CHECK(C > 0 && C % 2 == 0, "lightning_mrs::", op, ": the last dim must hold an even number of channels, not ", C);
-  if (weight.has_value()) {
-    const at::Tensor& w = *weight;
-    TORCH_CHECK(w.dim() == 1 && w.numel() == C / 2 && w.is_contiguous() && w.device() == x.device(),
-                "lightning_mrs::", op, ": the weight must be a contiguous (C // 2,) = (", C / 2,
-                ",) tensor on x's device, not ", w.sizes(), " on ", w.device());
-    dtype_index(w.scalar_type(), op, "the weight");
-  }
-  return {C, x.numel() / C};
-}
-
-const void* weight_ptr(const std::optional<at::Tensor>& weight, int* wkind) {
-  if (!weight.has_value()) {
-    *wkind = 0;
-    return nullptr;
-  }
-  *wkind = 1 + dtype_index(weight->scalar_type(), "rows", "the weight");  // cpu_kernels.py's _WKIND
-  return weight->data_ptr();
+  if (!weight.has_value()) return {C, x.numel() / C, nullptr, 0};
+  const at::Tensor& w = *weight;
+  TORCH_CHECK(w.dim() == 1 && w.numel() == C / 2 && w.is_contiguous() && w.device() == x.device(),
+              "lightning_mrs::", op, ": the weight must be a contiguous (C // 2,) = (", C / 2,
+              ",) tensor on x's device, not ", w.sizes(), " on ", w.device());
+  return {C, x.numel() / C, w.const_data_ptr(), 1 + dtype_index(w.scalar_type(), op, "the weight")};
 }
 
 template <typename Fn>
@@ -94,14 +88,12 @@ Fn loaded(const std::atomic<Fn>* table, int k, const char* op) {
 std::tuple<at::Tensor, at::Tensor> rows_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                 double eps) {
   const int k = dtype_index(x.scalar_type(), "rows_forward", "x");
-  const auto [C, G] = rows_of(x, weight, "rows_forward");
+  const Rows r = rows_of(x, weight, "rows_forward");
   at::Tensor y = at::empty_like(x);
-  at::Tensor r_sum = at::empty({G}, x.options().dtype(at::kFloat));  // (groups,)
-  if (G == 0) return {y, r_sum};
-  int wkind = 0;
-  const void* w = weight_ptr(weight, &wkind);
-  loaded(g_fwd, k, "rows_forward")(x.const_data_ptr(), w, wkind, y.mutable_data_ptr(),
-                                   r_sum.mutable_data_ptr<float>(), G, 1, C, static_cast<float>(eps),
+  at::Tensor r_sum = at::empty({r.G}, x.options().dtype(at::kFloat));  // (groups,)
+  if (r.G == 0) return {y, r_sum};
+  loaded(g_fwd, k, "rows_forward")(x.const_data_ptr(), r.w, r.wkind, y.mutable_data_ptr(),
+                                   r_sum.mutable_data_ptr<float>(), r.G, 1, r.C, static_cast<float>(eps),
                                    threads(x.numel()));
   return {y, r_sum};
 }
@@ -112,23 +104,21 @@ std::tuple<at::Tensor, at::Tensor> rows_backward(const at::Tensor& grad, const a
                                                  const std::optional<at::Tensor>& weight, const at::Tensor& r_sum,
                                                  double eps, bool need_weight_grad) {
   const int k = dtype_index(x.scalar_type(), "rows_backward", "x");
-  const auto [C, G] = rows_of(x, weight, "rows_backward");
+  const Rows r = rows_of(x, weight, "rows_backward");
   TORCH_CHECK(grad.sizes() == x.sizes(), "lightning_mrs::rows_backward: grad must have x's shape ", x.sizes(),
               ", not ", grad.sizes());
-  TORCH_CHECK(r_sum.scalar_type() == at::kFloat && r_sum.is_contiguous() && r_sum.numel() == G,
-              "lightning_mrs::rows_backward: r_sum must be rows_forward's contiguous float32 (", G, ",), not ",
+  TORCH_CHECK(r_sum.scalar_type() == at::kFloat && r_sum.is_contiguous() && r_sum.numel() == r.G,
+              "lightning_mrs::rows_backward: r_sum must be rows_forward's contiguous float32 (", r.G, ",), not ",
               r_sum.scalar_type(), " ", r_sum.sizes());
   // a hook or a loss may hand back another dtype or a layout of its own
   const at::Tensor g = (grad.scalar_type() == x.scalar_type() ? grad : grad.to(x.scalar_type())).contiguous();
   at::Tensor dx = at::empty_like(x);
   const bool with_dw = need_weight_grad && weight.has_value();
-  at::Tensor dw = at::empty({with_dw ? C / 2 : 0}, x.options().dtype(with_dw ? at::kFloat : x.scalar_type()));
-  if (G > 0) {
-    int wkind = 0;
-    const void* w = weight_ptr(weight, &wkind);
-    loaded(g_bwd, k, "rows_backward")(x.const_data_ptr(), g.const_data_ptr(), w, wkind,
+  at::Tensor dw = at::empty({with_dw ? r.C / 2 : 0}, x.options().dtype(with_dw ? at::kFloat : x.scalar_type()));
+  if (r.G > 0) {
+    loaded(g_bwd, k, "rows_backward")(x.const_data_ptr(), g.const_data_ptr(), r.w, r.wkind,
                                       r_sum.const_data_ptr<float>(), dx.mutable_data_ptr(),
-                                      with_dw ? dw.mutable_data_ptr<float>() : nullptr, G, 1, C,
+                                      with_dw ? dw.mutable_data_ptr<float>() : nullptr, r.G, 1, r.C,
                                       static_cast<float>(eps), threads(x.numel()));
   } else if (with_dw) {
     dw.zero_();

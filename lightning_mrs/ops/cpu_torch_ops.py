@@ -24,10 +24,7 @@ general ops (:mod:`.library`), whose Python bodies run the same kernels.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -57,22 +54,12 @@ def _build() -> ctypes.CDLL:
     cxx = cpu_kernels._compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
-    flags = _flags()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), " ".join(flags).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-    target = cpu_kernels._cache_dir() / f"mrs_norm_torch_ops_{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then an atomic rename: DDP ranks
-        os.close(fd)
-        proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp, "-ltorch_cpu", "-lc10"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
-            raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: {' | '.join(errors[:3])[-600:]}")
-        os.replace(tmp, target)
+    contents = [SOURCE.read_bytes(), torch.__version__.encode()]
+    target, error = cpu_kernels.compile_cached("mrs_norm_torch_ops", cxx, _flags(), SOURCE, contents,
+                                               libs=("-ltorch_cpu", "-lc10"))
+    if error is not None:
+        errors = [ln for ln in error.splitlines() if "error" in ln] or error.splitlines()
+        raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: {' | '.join(errors[:3])[-600:]}")
     torch.ops.load_library(str(target))  # registers lightning_mrs::rows_forward and rows_backward
     lib = ctypes.CDLL(str(target))  # the same handle: for mrs_set_row_kernels
     lib.mrs_set_row_kernels.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),

@@ -115,10 +115,10 @@ torch.library.register_fake("lightning_mrs::mrs_norm_backward_kernels", _backwar
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    x, weight, eps, channel_dim, spatial, backend = inputs[:6]
+    x, weight, eps, channel_dim, spatial, backend = inputs
     ctx.save_for_backward(x, weight, output[1])  # r_sum = P * S: one value per group
     ctx.config = (eps, channel_dim, spatial, backend)
-    ctx.rows = len(inputs) > 6 and inputs[6]  # the C++ row operators (cpu_torch_ops)
+    ctx.rows = False  # the general backward; _CompiledMRSNorm sets it for the C++ row operators
 
 
 def _grads(ctx: Any, g: Tensor, backward_op: Any) -> tuple[Optional[Tensor], ...]:
@@ -144,7 +144,8 @@ class _CompiledMRSNorm(torch.autograd.Function):
             out = torch.ops.lightning_mrs.rows_forward.default(x, weight, eps)
         else:
             out = torch.ops.lightning_mrs.mrs_norm_forward.default(x, weight, eps, channel_dim, spatial, backend)
-        _setup_context(ctx, (x, weight, eps, channel_dim, spatial, backend, rows), out)
+        _setup_context(ctx, (x, weight, eps, channel_dim, spatial, backend), out)
+        ctx.rows = rows
         return out[0]
 
     @staticmethod
