@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleave import time_steps  # noqa: E402 - the sibling helper
+from interleave import ratio_interval, time_steps  # noqa: E402 - the sibling helper
 from bench_compiled_norm import PythonOpsMRSNorm, python_ops  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
@@ -81,15 +81,14 @@ def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, s
         )
     kinds = sorted({type(m).__name__ for n, m in model.named_modules() if n in report.converted})
     how = f"{len(report.converted)} x {', '.join(kinds)} (swap_norms target={target!r})"
+    converted = [m for n, m in model.named_modules() if n in report.converted]
     if variant == "mrs-formula":  # the reference formula: what Inductor compiled before the custom op
-        for n, m in model.named_modules():
-            if n in report.converted:
-                m.backend = "eager"
+        for m in converted:
+            m.backend = "eager"
         how += ", backend='eager'"
     if variant == "mrs-python-ops":
-        for n, m in model.named_modules():
-            if n in report.converted:
-                m.__class__ = PythonOpsMRSNorm
+        for m in converted:
+            m.__class__ = PythonOpsMRSNorm
         how += ", the general ops when compiled"
     return model, how
 
@@ -159,21 +158,32 @@ def main(argv: list[str] | None = None) -> int:
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
     print(cpu_line())
     w = max(6, *map(len, models))  # the variant names' column
-    print(f"{'norm':{w}s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
+    paired = {v: ratio_interval(times[v], times[base]) for v in models}
+    print(f"{'norm':{w}s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s} "
+          f"{'paired x [95%]':>22s}  layers")
     for v in models:
+        r, lo, hi = paired[v]
         print(f"{v:{w}s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
-              f"{best[v] / best[base]:7.3f}  {how[v]}")
+              f"{best[v] / best[base]:7.3f} {r:7.3f} [{lo:.3f}, {hi:.3f}]  {how[v]}")
+    print(f"paired x: the median of the per-round ratios to {base}, with a bootstrap 95 % interval "
+          "(an interval that holds 1.0 is a tie within this run's noise)")
     split = {}
-    if args.split:  # the timed steps only
-        split = {v: [statistics.median(t) for t in zip(*calls[warmup:])] for v, calls in phases.items()}
-        print(f"\nper phase, median of the {args.rounds * args.steps} timed steps (ms, x {base})")
-        print(f"{'norm':{w}s} {'forward':>16s} {'backward':>16s} {'optimizer':>16s}")
-        for v, ph in split.items():
-            print(f"{v:{w}s} " + " ".join(f"{t * 1e3:8.2f} {t / b:7.3f}" for t, b in zip(ph, split[base])))
+    if args.split:  # the timed steps only; step i of every variant ran in the same round
+        timed = {v: list(zip(*calls[warmup:])) for v, calls in phases.items()}  # phase -> per-step seconds
+        split = {v: [statistics.median(t) for t in ph] for v, ph in timed.items()}
+        print(f"\nper phase, median of the {args.rounds * args.steps} timed steps (ms, paired x {base} [95%])")
+        print(f"{'norm':{w}s} {'forward':>30s} {'backward':>30s} {'optimizer':>30s}")
+        for v, ph in timed.items():
+            cells = []
+            for t, b in zip(ph, timed[base]):
+                r, lo, hi = ratio_interval(t, b)
+                cells.append(f"{statistics.median(t) * 1e3:7.2f} {r:6.3f} [{lo:.3f}, {hi:.3f}]")
+            print(f"{v:{w}s} " + " ".join(f"{c:>30s}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "threads": torch.get_num_threads(), "median_s": med,
-                       "all_s": times, "layers": how, "phase_median_s": split}, f, indent=2)
+                       "all_s": times, "layers": how, "phase_median_s": split,
+                       "paired_ratio_interval": paired}, f, indent=2)
     return 0
 
 

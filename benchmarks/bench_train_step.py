@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from interleave import time_steps  # noqa: E402 - the sibling helper
+from interleave import ratio_interval, time_steps  # noqa: E402 - the sibling helper
 
 from lightning_mrs import swap_norms  # noqa: E402
 
@@ -102,14 +102,17 @@ def main(argv=None) -> int:
     print(f"ResNet-18 (CIFAR stem) train step, batch {args.batch}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}; median of {args.rounds} interleaved rounds")
     best = {v: min(t) for v, t in times.items()}  # robust to other loads on a busy machine
-    print(f"{'norm':8s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s}  layers")
+    paired = {v: ratio_interval(times[v], times[base]) for v in models}  # per-round ratios
+    print(f"{'norm':8s} {'median ms':>10s} {'x ' + base:>9s} {'min ms':>9s} {'min x':>7s} "
+          f"{'paired x [95%]':>22s}  layers")
     for v in models:
+        r, lo, hi = paired[v]
         print(f"{v:8s} {med[v] * 1e3:10.1f} {med[v] / med[base]:9.3f} {best[v] * 1e3:9.1f} "
-              f"{best[v] / best[base]:7.3f}  {how[v]}")
+              f"{best[v] / best[base]:7.3f} {r:7.3f} [{lo:.3f}, {hi:.3f}]  {how[v]}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "threads": torch.get_num_threads(),
-                       "median_s": med, "all_s": times, "layers": how}, f, indent=2)
+            json.dump({"batch": args.batch, "threads": torch.get_num_threads(), "median_s": med,
+                       "all_s": times, "layers": how, "paired_ratio_interval": paired}, f, indent=2)
     return 0
 
 

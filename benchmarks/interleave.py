@@ -7,15 +7,20 @@ the row that runs next, so the order must not give one row the same neighbour ev
 rotation of one fixed order does: it changes which row starts a round, not who follows whom,
 and in ``bench_norm`` it put the default module after the eager formula (the row that trashes
 the caches) in every round. Each round here is a fresh, seeded random permutation.
+
+Because every round times every row, the rounds pair the rows: :func:`ratio_interval` gives the
+median of one row's per-round ratios to another and a bootstrap interval around it, which says
+whether a ratio of x0.99 is below x1.0 or within the noise.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["round_orders", "time_steps"]
+__all__ = ["ratio_interval", "round_orders", "time_steps"]
 
 
 def round_orders(names: Sequence[str], rounds: int, seed: int = 0) -> list[list[str]]:
@@ -47,3 +52,28 @@ def time_steps(step: Callable[[str], None], names: Sequence[str], rounds: int, s
             times[name].append((clock() - t0) / steps)
     return times
 
+
+
+def ratio_interval(times: Sequence[float], base: Sequence[float], level: float = 0.95,
+                   resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """The median of the per-round ratios ``times[i] / base[i]`` and a percentile-bootstrap
+    interval of that median at ``level`` (``resamples`` resamples of the rounds, seeded).
+
+    The rounds of :func:`time_steps` are paired: noise that slows a whole round slows both rows,
+    so the per-round ratio is steadier than the ratio of the two medians.
+
+    Example:
+        >>> ratio_interval([2.0, 2.2, 1.8], [1.0, 1.1, 0.9])
+        (2.0, 2.0, 2.0)
+    """
+    if len(times) != len(base) or not times:
+        raise ValueError(f"ratio_interval: needs as many rounds of both rows (got {len(times)} and {len(base)})")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"ratio_interval: level must be in (0, 1), got {level}")
+    ratios = [t / b for t, b in zip(times, base)]
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    lo = meds[int(tail * (resamples - 1))]
+    hi = meds[int(round((1.0 - tail) * (resamples - 1)))]
+    return statistics.median(ratios), lo, hi

@@ -33,13 +33,8 @@ the tests compare both against a float64 reference.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -50,6 +45,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_mrs.ops import cpp_build
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
 __all__ = ["KERNEL_SETS", "NAME", "available", "backward", "build_error", "build_flags", "forward", "kernel_set",
@@ -136,42 +132,6 @@ def _publish() -> None:
         ops.sync()
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and instruction sets: a library built with ``-march=native`` on one
-    machine must not be loaded on another (shared home folders on a cluster)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        keys = ("model name", "flags", "Features")
-        keep = [ln for ln in text.splitlines() if ln.startswith(keys)]
-        return "\n".join(sorted(set(keep)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _compiler() -> Optional[str]:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LIGHTNING_MRS_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = Path(base) / "lightning_mrs"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    # a read-only home (containers): a per-user folder in the temp dir
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    return Path(tempfile.gettempdir()) / f"lightning_mrs_{user}"
-
-
 def _flag_sets() -> list[list[str]]:
     """The compiler flags to try, in order, for the kernel set in use."""
     name = kernel_set()
@@ -188,40 +148,14 @@ def _flag_sets() -> list[list[str]]:
     return [common + ["-march=native"], common]  # second try: a compiler without -march=native
 
 
-def compile_cached(name: str, cxx: str, flags: list[str], source: Path, contents: list[bytes],
-                   libs: tuple[str, ...] = ()) -> tuple[Path, Optional[str]]:
-    """``(path, error)``: the library ``<name>_<key>.so`` in the cache folder, compiled by
-    ``cxx *flags source *libs -o path`` unless it is there already. ``key`` hashes ``contents``
-    (what the sources hold, and what else must force a rebuild), the compiler's version, ``flags``
-    and ``libs``; ``error`` is the compiler's message when the compile failed, else ``None``.
-    Shared by these kernels and :mod:`.cpu_torch_ops`."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    parts = [*contents, version.encode(), " ".join([*flags, *libs]).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
-    target = _cache_dir() / f"{name}_{key}.so"
-    if target.exists():
-        return target, None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes (DDP ranks) each build a
-    # complete file and the rename is atomic, so no lock is needed.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    proc = subprocess.run([cxx, *flags, str(source), *libs, "-o", tmp], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        return target, proc.stderr
-    os.replace(tmp, target)
-    return target, None
-
-
 def _build() -> ctypes.CDLL:
-    cxx = _compiler()
+    cxx = cpp_build.compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     source = b"\0".join(f.read_bytes() for f in (SOURCE, *HEADERS))
     errors = []
     for flags in _flag_sets():
-        target, error = compile_cached("mrs_norm_cpu", cxx, flags, SOURCE, [source, _cpu_signature().encode()])
+        target, error = cpp_build.compile_cached("mrs_norm_cpu", cxx, flags, SOURCE, [source, cpp_build.cpu_signature().encode()])
         if error is not None:
             errors.append(f"{' '.join(flags)}: {error.strip()[-400:]}")
             continue

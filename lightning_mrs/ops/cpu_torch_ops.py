@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_mrs.ops import cpu_kernels
+from lightning_mrs.ops import cpp_build, cpu_kernels
 
 __all__ = ["build_error", "load", "sync"]
 
@@ -51,12 +51,12 @@ def _flags() -> list[str]:
 
 
 def _build() -> ctypes.CDLL:
-    cxx = cpu_kernels._compiler()
+    cxx = cpp_build.compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     contents = [SOURCE.read_bytes(), torch.__version__.encode()]
-    target, error = cpu_kernels.compile_cached("mrs_norm_torch_ops", cxx, _flags(), SOURCE, contents,
-                                               libs=("-ltorch_cpu", "-lc10"))
+    target, error = cpp_build.compile_cached("mrs_norm_torch_ops", cxx, _flags(), SOURCE, contents,
+                                             libs=("-ltorch_cpu", "-lc10"))
     if error is not None:
         errors = [ln for ln in error.splitlines() if "error" in ln] or error.splitlines()
         raise RuntimeError(f"compiling {SOURCE.name} with {cxx} failed: {' | '.join(errors[:3])[-600:]}")

@@ -37,3 +37,10 @@ def test_split_phases_are_within_their_steps(tmp_path: Path, capsys: pytest.Capt
         # one step per round: each round's phases are parts of that round's step, so the
         # medians of the phases add up to at most the slowest step
         assert sum(phases) <= max(data["all_s"][v])
+    # the paired ratios: per round, against the same round's llama step
+    assert data["paired_ratio_interval"]["llama"] == [1.0, 1.0, 1.0]
+    ratios = [t / b for t, b in zip(data["all_s"]["mrs"], data["all_s"]["llama"])]
+    med, lo, hi = data["paired_ratio_interval"]["mrs"]
+    assert med == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)  # two rounds
+    assert min(ratios) <= lo <= med <= hi <= max(ratios)
+    assert "paired x" in printed

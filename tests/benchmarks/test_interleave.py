@@ -3,14 +3,18 @@ equally often, which a rotation of one fixed order does not give."""
 
 from __future__ import annotations
 
+import math
+import random
+import statistics
 import sys
 from collections import Counter
 from itertools import pairwise
 
+import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from interleave import round_orders, time_steps  # noqa: E402
+from interleave import ratio_interval, round_orders, time_steps  # noqa: E402
 
 
 def _followers(orders: list[list[str]]) -> Counter:
@@ -60,3 +64,34 @@ def test_time_steps_reads_the_given_clock() -> None:
     ticks = iter(range(0, 1000, 6))
     times = time_steps(lambda name: None, ["a", "b"], rounds=2, steps=3, warmup=0, clock=lambda: next(ticks))
     assert times == {"a": [2.0, 2.0], "b": [2.0, 2.0]}
+
+
+def test_ratio_interval_is_the_median_of_the_paired_ratios() -> None:
+    base = [1.0, 2.0, 4.0, 1.5, 3.0]
+    ratios = [0.9, 1.3, 1.0, 1.1, 0.95]
+    med, lo, hi = ratio_interval([r * b for r, b in zip(ratios, base)], base)
+    assert med == pytest.approx(statistics.median(ratios))  # not median(times) / median(base) = 1.1
+    assert min(ratios) <= lo <= med <= hi <= max(ratios)
+    assert ratio_interval([3.0] * 7, [1.5] * 7) == (2.0, 2.0, 2.0)  # no spread, no interval
+
+
+def test_ratio_interval_covers_the_true_ratio_about_as_often_as_it_says() -> None:
+    # 200 simulated benchmarks of 31 rounds: a round-wide slowdown hits both rows (so the
+    # paired ratio cancels it) and each row has its own noise around a true ratio of 0.98
+    rng = random.Random(1)
+    covered = 0
+    for _ in range(200):
+        round_noise = [math.exp(rng.gauss(0, 0.2)) for _ in range(31)]
+        base = [75.0 * n * math.exp(rng.gauss(0, 0.01)) for n in round_noise]
+        ours = [0.98 * 75.0 * n * math.exp(rng.gauss(0, 0.01)) for n in round_noise]
+        _, lo, hi = ratio_interval(ours, base, resamples=400)
+        covered += lo <= 0.98 <= hi
+        assert hi - lo < 0.04  # the round-wide 20 % noise is cancelled (per-row noise alone: about 0.013)
+    assert 170 <= covered <= 200  # 95 % nominal: about 190 (percentile bootstrap runs a bit low)
+
+
+def test_ratio_interval_rejects_unpaired_rounds_and_bad_levels() -> None:
+    with pytest.raises(ValueError, match="as many rounds"):
+        ratio_interval([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="level"):
+        ratio_interval([1.0], [1.0], level=1.5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_mrs import mrs_norm
-from lightning_mrs.ops import cpu_kernels, dispatch, which_backend
+from lightning_mrs.ops import cpp_build, cpu_kernels, dispatch, which_backend
 from helpers.checks import LAYOUTS, check_against_reference, forced, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
@@ -41,8 +41,8 @@ def test_build_is_cached_on_disk_and_reused(fresh_build: Path, monkeypatch: pyte
     assert len(built) == 1 and built[0].name.startswith("mrs_norm_cpu_")  # no temp file left
     cpu_kernels._STATE.clear()  # a new process: must load, not compile again
     commands: list[list[str]] = []
-    real_run = cpu_kernels.subprocess.run
-    monkeypatch.setattr(cpu_kernels.subprocess, "run",
+    real_run = cpp_build.subprocess.run
+    monkeypatch.setattr(cpp_build.subprocess, "run",
                         lambda cmd, **kw: commands.append(cmd) or real_run(cmd, **kw))
     assert cpu_kernels.available()
     assert commands and not any(str(cpu_kernels.SOURCE) in map(str, cmd) for cmd in commands)  # `c++ --version` only
@@ -76,7 +76,7 @@ def test_an_edited_header_is_a_new_build(
 def test_no_compiler_falls_back_with_one_warning_and_a_clear_error(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(cpp_build, "compiler", lambda: None)
     x = torch.randn(16, 64)
     with pytest.warns(RuntimeWarning, match="building the one-pass CPU kernels failed"):
         assert which_backend(x) == "torch"  # small: no compile either
@@ -107,10 +107,10 @@ def test_read_only_home_builds_in_the_temp_dir(
     monkeypatch.setenv("XDG_CACHE_HOME", str(home_cache))
     real_access = os.access
     # a read-only home (root ignores chmod, so the permission check itself is simulated)
-    monkeypatch.setattr(cpu_kernels.os, "access",
+    monkeypatch.setattr(cpp_build.os, "access",
                         lambda p, mode: False if str(p).startswith(str(home_cache)) else real_access(p, mode))
-    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert cpu_kernels._cache_dir().parent == tmp_path / "tmp"
+    monkeypatch.setattr(cpp_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert cpp_build.cache_dir().parent == tmp_path / "tmp"
     assert cpu_kernels.available()
     assert list((tmp_path / "tmp").glob("lightning_mrs_*/mrs_norm_cpu_*.so"))
 
