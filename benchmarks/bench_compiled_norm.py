@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in args.dtype:
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(DTYPES[dtype_name])
             for mode in args.modes:
+                # each case compiles its module's forward once per group: without a reset, a third
+                # dtype or shape ran past Dynamo's recompile limit (8) and stopped the benchmark
+                torch._dynamo.reset()
                 cases = {name: Case(f, py, x, mode == "train") for name, (f, py) in rows(shape[-1]).items()}
                 times = time_steps(lambda n: cases[n](), list(cases), args.rounds, calls)
                 med = {n: statistics.median(t) for n, t in times.items()}

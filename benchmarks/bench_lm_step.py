@@ -27,6 +27,7 @@ Usage::
     python benchmarks/bench_lm_step.py --threads 1 --rounds 15 --json lm_step.json
     python benchmarks/bench_lm_step.py --compile --batch 16 --rounds 7 --variants llama mrs mrs-formula
     python benchmarks/bench_lm_step.py --compile --split   # forward, backward, optimizer apart too
+    python benchmarks/bench_lm_step.py --compile --dtype bfloat16   # the models (and norms) in bfloat16
 
 ``--compile`` wraps each model's forward in ``torch.compile(model.forward, fullgraph=True)``
 (the loss is computed inside it; the backward is Inductor's too). The warm-up steps pay the
@@ -56,8 +57,10 @@ VARIANTS = {"llama": None, "rms": "rms", "mrs": "mrs", "mrs-formula": "mrs", "mr
 DEFAULT_VARIANTS = ["llama", "rms", "mrs"]
 
 
-def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, str]:
-    """The seeded model of ``variant`` and a description of its norm layers."""
+def build(variant: str, layers: int, width: int, seq: int,
+          dtype: torch.dtype = torch.float32) -> tuple[nn.Module, str]:
+    """The seeded model of ``variant`` in ``dtype`` (parameters and activations) and a description
+    of its norm layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -67,7 +70,7 @@ def build(variant: str, layers: int, width: int, seq: int) -> tuple[nn.Module, s
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     config._attn_implementation = "eager"  # the same maths on every machine
-    model = LlamaForCausalLM(config).float().train()
+    model = LlamaForCausalLM(config).to(dtype).train()
     target = VARIANTS[variant]
     norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
     if target is None:
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                    help="mrs-formula: MRSNorm with backend='eager' (the plain formula; under --compile "
                    "what Inductor fuses itself)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the models' dtype (parameters and activations; the norms run in it)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--json", default=None, help="write the raw figures to this file")
     p.add_argument("--compile", action="store_true", help="torch.compile(model.forward, fullgraph=True)")
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = torch.randint(0, 256, (args.batch, args.seq), generator=g)  # bytes
     models, opts, how = {}, {}, {}
     for v in args.variants:
-        models[v], how[v] = build(v, args.layers, args.width, args.seq)
+        models[v], how[v] = build(v, args.layers, args.width, args.seq, getattr(torch, args.dtype))
         opts[v] = torch.optim.AdamW(models[v].parameters(), lr=1e-3)
         if args.compile:
             models[v].forward = torch.compile(models[v].forward, fullgraph=True)
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {v: min(t) for v, t in times.items()}
     base = "llama" if "llama" in med else next(iter(models))
     mode = "compiled (fullgraph)" if args.compile else "eager"
-    print(f"Llama train step (AdamW, {mode}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
+    print(f"Llama train step (AdamW, {mode}, {args.dtype}): {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} "
           f"bytes; {torch.get_num_threads()} threads, {args.clock} clock, torch {torch.__version__}, transformers "
           f"{sys.modules['transformers'].__version__}; median of {args.rounds} interleaved rounds x {args.steps} steps")
     print(cpu_line())

@@ -12,7 +12,8 @@
 // vector: hadd of two vectors of squares gives 8 pair sums, one sqrt and one divide serve 16
 // channels, and unpacklo/unpackhi spread each pair's value back over its two lanes.
 // Same maths and the same float32 accumulation as the generic kernels; the sums run in another
-// order (tests: the float64 reference, and the portable build against this one).
+// order (tests: the float64 reference, and the portable build against this one). Where the build
+// also has AVX512_BF16 and AVX512VL, bfloat16 is stored with vcvtneps2bf16 on 8 lanes.
 #pragma once
 
 // MRS_KERNELS_AVX2 / MRS_KERNELS_GENERIC: the kernel sets "avx2" and "generic" (cpu_kernels.py:
@@ -34,6 +35,12 @@
 #include "cpu_half.h"
 
 namespace mrs::avx2 {
+
+#if defined(MRS_AVX512_BF16) && defined(__AVX512VL__)
+constexpr bool kCvtBf16 = true;  // store8(bf16*) is one conversion instruction
+#else
+constexpr bool kCvtBf16 = false;
+#endif
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {  // the bits moved up: exact
@@ -57,15 +64,39 @@ inline __m256i bf16_bits(__m256 v) {
   const __m256i nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));  // quiet, sign and payload kept
   return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
+#if defined(MRS_AVX512_BF16) && defined(__AVX512VL__)
+// With AVX512_BF16 (and VL): vcvtneps2bf16 on 8 lanes, nearest even in one instruction. It
+// flushes subnormal floats to zero, so a vector holding one goes through st, as store16 does.
+inline void store8(bf16* p, __m256 v) {
+#if defined(__AVX512DQ__)
+  const __mmask8 sub = _mm256_fpclass_ps_mask(v, 0x20);  // the denormal class
+#else
+  const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+  const __mmask8 sub = _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)),
+                                               _mm256_set1_epi32(0x007fffff));
+#endif
+  if (sub != 0) [[unlikely]] {
+    alignas(32) float f[8];
+    _mm256_store_ps(f, v);
+    for (int i = 0; i < 8; ++i) st(p + i, f[i]);
+    return;
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+}
+#else
 inline void store8(bf16* p, __m256 v) {
   const __m256i r = bf16_bits(v);
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+#endif
 // 16 values at once: one pack and one 32-byte store
 template <typename T>
 inline void store16(T* p, __m256 a, __m256 b) {
-  if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && kCvtBf16) {
+    store8(p, a);
+    store8(p + 8, b);
+  } else if constexpr (std::is_same_v<T, bf16>) {
     const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));  // lanes [a0-3 b0-3 | a4-7 b4-7]
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
   } else {

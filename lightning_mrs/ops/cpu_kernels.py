@@ -19,9 +19,9 @@ block of code; :data:`KERNEL_SETS`): ``auto`` (the default) runs the AVX2 kernel
 ``cpu_avx2.h`` where ``-march=native`` targets AVX2 without AVX-512, on AVX-512 those kernels
 for float16 and the compiler-vectorised loops of ``cpu_kernels.cpp`` for float32 and bfloat16
 (the faster of the two for each, as measured; with AVX512_BF16 the bfloat16 stores and the
-output loops of the NCHW kernels are ``cpu_avx512.h``'s, one ``vcvtneps2bf16`` per 16 values),
-and the loops everywhere else; ``avx2`` and ``generic`` ask for one of the two on any CPU that
-can run it. :func:`loaded_kernels` says which kernels are running. Nothing happens at import
+output loops of the NCHW kernels are ``cpu_avx512.h``'s, one ``vcvtneps2bf16`` per 16 values,
+and so are the row kernels of every dtype), and the loops everywhere else; ``avx2`` and
+``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says which kernels are running. Nothing happens at import
 time; :func:`available` triggers the build. If the build fails (no compiler, no OpenMP), :func:`available` returns ``False`` and
 :func:`build_error` says why; ``backend="auto"`` then takes the next backend.
 ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
@@ -62,14 +62,16 @@ MIN_NUMEL_PER_THREAD = 1 << 15
 _LOCK = threading.Lock()
 #: What ``LIGHTNING_MRS_CPU_KERNEL_SET`` (and :func:`using`) accept: ``auto`` (cpu_avx2.h's kernels
 #: where ``-march=native`` targets AVX2, FMA and F16C without AVX-512, and on AVX-512 for float16
-#: only; the generic loops for the rest, with cpu_avx512.h's bfloat16 stores on AVX512_BF16),
+#: only; the generic loops for the rest, with cpu_avx512.h's bfloat16 stores and row kernels on
+#: AVX512_BF16),
 #: ``avx2`` (cpu_avx2.h's kernels for every dtype on any CPU with AVX2, FMA and F16C; always
 #: ``-march=native``), ``generic`` (the compiler-vectorised loops of cpu_kernels.cpp everywhere).
 KERNEL_SETS = ("auto", "avx2", "generic")
 _DEFINES = {"auto": [], "avx2": ["-DMRS_KERNELS_AVX2"], "generic": ["-DMRS_KERNELS_GENERIC"]}
 #: mrs_kernel_set() of the library -> the kernels it runs (loaded_kernels)
 _LOADED = {1: "generic", 2: "avx2", 3: "avx2 for float16, generic for float32 and bfloat16",
-           4: "avx2 for float16, avx512_bf16 for bfloat16, generic for float32"}
+           4: "avx2 for float16, avx512_bf16 for bfloat16, generic for float32",
+           5: "avx512 rows; per sample avx2 for float16, avx512_bf16 for bfloat16, generic for float32"}
 # The state of the kernel set in use: "set" (its name), "lib" (ctypes.CDLL or None), "error",
 # "flags", "fns". One dict per set in _SETS; using() swaps _STATE, the hot path reads it as is.
 _STATE: dict[str, object] = {}
@@ -218,8 +220,9 @@ def build_error() -> Optional[str]:
 def loaded_kernels() -> Optional[str]:
     """Which kernels the loaded library runs: ``"avx2"`` (cpu_avx2.h), ``"generic"`` (the loops
     of cpu_kernels.cpp), or on an AVX-512 CPU under ``auto`` ``"avx2 for float16, generic for
-    float32 and bfloat16"`` (with AVX512_BF16: ``"avx2 for float16, avx512_bf16 for bfloat16,
-    generic for float32"``); ``None`` before it is built or when it could not be."""
+    float32 and bfloat16"`` (with AVX512_BF16: ``"avx512 rows; per sample avx2 for float16,
+    avx512_bf16 for bfloat16, generic for float32"``, the row kernels of cpu_avx512.h for every
+    dtype); ``None`` before it is built or when it could not be."""
     return _STATE.get("kernels")  # type: ignore[return-value]
 
 

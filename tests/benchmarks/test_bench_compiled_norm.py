@@ -56,3 +56,12 @@ def test_the_lm_steps_python_ops_variant_traces_the_general_ops() -> None:
             step()  # traced here
         seen[variant] = bench.lightning_ops(step)
     assert seen == {"mrs": ROWS, "mrs-python-ops": GENERAL}
+
+
+def test_groups_do_not_add_up_to_dynamo_s_recompile_limit() -> None:
+    # every (shape, dtype, mode) group compiles MRSNorm.forward twice (two of its rows); 3 dtypes x
+    # 2 modes ran past the limit of 8 and stopped the benchmark. With a limit of 2, two groups do.
+    argv = ["--shapes", "decode_1x128", "--modes", "inference", "--dtype", "float32", "bfloat16",
+            "--rounds", "1", "--calls", "1"]
+    with torch._dynamo.config.patch(recompile_limit=2):  # config.patch: an alias-safe setting
+        assert bench.main(argv) == 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import ROOT
 
@@ -44,3 +45,12 @@ def test_split_phases_are_within_their_steps(tmp_path: Path, capsys: pytest.Capt
     assert med == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)  # two rounds
     assert min(ratios) <= lo <= med <= hi <= max(ratios)
     assert "paired x" in printed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dtype_builds_every_variant_in_it(dtype: torch.dtype) -> None:
+    for variant in ("llama", "mrs"):
+        model, _ = bench.build(variant, layers=1, width=32, seq=8, dtype=dtype)
+        assert {p.dtype for p in model.parameters()} == {dtype}  # the swapped norms' weights too
+        logits = model(input_ids=torch.randint(0, 256, (2, 8))).logits
+        assert logits.dtype == dtype and torch.isfinite(logits).all()
