@@ -10,7 +10,9 @@ the caches) in every round. Each round here is a fresh, seeded random permutatio
 
 Because every round times every row, the rounds pair the rows: :func:`ratio_interval` gives the
 median of one row's per-round ratios to another and a bootstrap interval around it, which says
-whether a ratio of x0.99 is below x1.0 or within the noise.
+whether a ratio of x0.99 is below x1.0 or within the noise. That noise is one run's: what a
+process shares across all its rounds (where its buffers landed) moves the ratio between runs
+by about 1 % (docs/performance-lm.md#avx-512-row-kernels), so a claim needs several runs.
 """
 
 from __future__ import annotations
