@@ -10,7 +10,8 @@
 // go through float32 buffers. Here every load and store is contiguous and the half conversions
 // happen in registers (bfloat16: a shift; float16: F16C). In the rows the pairs stay inside a
 // vector: hadd of two vectors of squares gives 8 pair sums, one sqrt and one divide serve 16
-// channels, and unpacklo/unpackhi spread each pair's value back over its two lanes.
+// channels, and unpacklo/unpackhi spread each pair's value back over its two lanes (the row
+// kernels themselves are cpu_rows.h's, over V8 below; cpu_avx512.h runs them over 16 lanes).
 // Same maths and the same float32 accumulation as the generic kernels; the sums run in another
 // order (tests: the float64 reference, and the portable build against this one). Where the build
 // also has AVX512_BF16 and AVX512VL, bfloat16 is stored with vcvtneps2bf16 on 8 lanes.
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "cpu_half.h"
+#include "cpu_rows.h"
 
 namespace mrs::avx2 {
 
@@ -114,134 +116,44 @@ inline __m256 pair_squares(__m256 a, __m256 b) {
   return _mm256_hadd_ps(_mm256_mul_ps(a, a), _mm256_mul_ps(b, b));
 }
 
-// The per-phasor gain (P,) spread over the channels (C,): every loop here runs over channels.
-inline std::vector<float> per_channel(const float* w, int64_t C) {
-  std::vector<float> w2(w ? C : 0);
-  for (int64_t c = 0; c < static_cast<int64_t>(w2.size()); ++c) w2[c] = w[c / 2];
-  return w2;
-}
+// The vector type of the row kernels (cpu_rows.h): 8 lanes.
+struct V8 {
+  using R = __m256;
+  static constexpr int64_t kLanes = 8;
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float v) { return _mm256_set1_ps(v); }
+  template <typename T>
+  static R load(const T* p) { return load8(p); }
+  template <typename T>
+  static void store(T* p, R v) { store8(p, v); }
+  template <typename T>
+  static void store2(T* p, R a, R b) { store16(p, a, b); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R div(R a, R b) { return _mm256_div_ps(a, b); }
+  static R sqrt(R a) { return _mm256_sqrt_ps(a); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }
+  static float hsum(R v) { return avx2::hsum(v); }
+  static R pair_squares(R a, R b) { return avx2::pair_squares(a, b); }
+  // pair_squares' lanes [a01 a23 b01 b23 | a45 a67 b45 b67] back over a's and b's channels
+  static R spread_lo(R v) { return _mm256_unpacklo_ps(v, v); }
+  static R spread_hi(R v) { return _mm256_unpackhi_ps(v, v); }
+  static R pair_squares_dup(R a) {
+    const R sa = _mm256_mul_ps(a, a);
+    return _mm256_add_ps(sa, _mm256_permute_ps(sa, 0xB1));  // (c, c ^ 1): the same sum in both
+  }
+};
 
 template <typename T, bool kAffine>
 void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
               float eps, int nt) {
-  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
-  const __m256 ve = _mm256_set1_ps(eps);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-  for (int64_t a = 0; a < G; ++a) {
-    float s = 0.f;  // row by row: short float sums, then their total
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      int64_t c = 0;
-      for (; c + 32 <= C; c += 32) {  // two chains: the adds' latency stays hidden
-        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c), load8(xr + c + 8)), ve)));
-        acc1 = _mm256_add_ps(acc1, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c + 16), load8(xr + c + 24)), ve)));
-      }
-      for (; c + 16 <= C; c += 16)
-        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(load8(xr + c), load8(xr + c + 8)), ve)));
-      float sr = hsum(_mm256_add_ps(acc0, acc1));
-      for (; c < C; c += 2) {
-        const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]);
-        sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
-      }
-      s += sr;
-    }
-    if (rsum) rsum[a] = s;
-    const float inv = n_pairs / s;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      T* yr = y + (a * L + l) * C;
-      int64_t c = 0;
-      for (; c + 16 <= C; c += 16) {
-        const __m256 m0 = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c)) : vinv;
-        const __m256 m1 = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c + 8)) : vinv;
-        store16(yr + c, _mm256_mul_ps(load8(xr + c), m0), _mm256_mul_ps(load8(xr + c + 8), m1));
-      }
-      for (; c + 8 <= C; c += 8) {
-        const __m256 m = kAffine ? _mm256_mul_ps(vinv, _mm256_loadu_ps(wc + c)) : vinv;
-        store8(yr + c, _mm256_mul_ps(load8(xr + c), m));
-      }
-      for (; c < C; ++c) st(yr + c, ld(xr[c]) * (kAffine ? inv * wc[c] : inv));
-    }
-  }
+  simd::fwd_rows<V8, T, kAffine>(x, w, y, rsum, G, L, C, eps, nt);
 }
-
 template <typename T, bool kAffine, bool kDw>
 void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
-  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
-  DwBuffers dwb(kDw, nt, C);  // per-thread, per-channel rows: pairs are summed once, at the end
-  const __m256 ve = _mm256_set1_ps(eps);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    float* my = dwb.mine();
-#pragma omp for schedule(static)
-    for (int64_t a = 0; a < G; ++a) {
-      const float inv_s = n_pairs / rsum[a];
-      float csum = 0.f;  // sum_k w g x over the group, row by row
-      for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        int64_t c = 0;
-        for (; c + 16 <= C; c += 16) {
-          __m256 g0 = load8(gr + c), g1 = load8(gr + c + 8);
-          if constexpr (kAffine) {
-            g0 = _mm256_mul_ps(g0, _mm256_loadu_ps(wc + c));
-            g1 = _mm256_mul_ps(g1, _mm256_loadu_ps(wc + c + 8));
-          }
-          acc0 = _mm256_fmadd_ps(g0, load8(xr + c), acc0);
-          acc1 = _mm256_fmadd_ps(g1, load8(xr + c + 8), acc1);
-        }
-        float cr = hsum(_mm256_add_ps(acc0, acc1));
-        for (; c < C; ++c) cr += (kAffine ? wc[c] : 1.f) * ld(gr[c]) * ld(xr[c]);
-        csum += cr;
-      }
-      const float k = csum * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
-      const __m256 vk = _mm256_set1_ps(k), vinv = _mm256_set1_ps(inv_s);
-      for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
-        T* dr = dx + (a * L + l) * C;
-        int64_t c = 0;
-        for (; c + 16 <= C; c += 16) {
-          const __m256 x0 = load8(xr + c), x1 = load8(xr + c + 8);
-          const __m256 g0 = load8(gr + c), g1 = load8(gr + c + 8);
-          // k / r of 8 pairs, then each pair's value over its two channels
-          const __m256 kr = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(pair_squares(x0, x1), ve)));
-          const __m256 kr0 = _mm256_unpacklo_ps(kr, kr), kr1 = _mm256_unpackhi_ps(kr, kr);
-          const __m256 m0 = kAffine ? _mm256_mul_ps(_mm256_loadu_ps(wc + c), vinv) : vinv;
-          const __m256 m1 = kAffine ? _mm256_mul_ps(_mm256_loadu_ps(wc + c + 8), vinv) : vinv;
-          store16(dr + c, _mm256_fmsub_ps(g0, m0, _mm256_mul_ps(kr0, x0)), _mm256_fmsub_ps(g1, m1, _mm256_mul_ps(kr1, x1)));
-          if constexpr (kDw) {
-            _mm256_storeu_ps(my + c, _mm256_fmadd_ps(_mm256_mul_ps(g0, x0), vinv, _mm256_loadu_ps(my + c)));
-            _mm256_storeu_ps(my + c + 8, _mm256_fmadd_ps(_mm256_mul_ps(g1, x1), vinv, _mm256_loadu_ps(my + c + 8)));
-          }
-        }
-        for (; c < C; c += 2) {
-          const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]), g0 = ld(gr[c]), g1 = ld(gr[c + 1]);
-          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-          const float m = kAffine ? wc[c] * inv_s : inv_s;
-          st(dr + c, g0 * m - kr * x0);
-          st(dr + c + 1, g1 * m - kr * x1);
-          if constexpr (kDw) {
-            my[c] += g0 * x0 * inv_s;
-            my[c + 1] += g1 * x1 * inv_s;
-          }
-        }
-      }
-    }
-  }
-  if constexpr (kDw) {
-    std::vector<float> per_channel_dw(C);
-    dwb.reduce(per_channel_dw.data());
-    for (int64_t p = 0; p < C / 2; ++p) dw[p] = per_channel_dw[2 * p] + per_channel_dw[2 * p + 1];
-  }
+  simd::bwd_rows<V8, T, kAffine, kDw>(x, g, w, rsum, dx, dw, G, L, C, eps, nt);
 }
 
 // ---- positions contiguous, one S per sample: (A, C, L) ---------------------------------

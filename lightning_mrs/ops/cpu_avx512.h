@@ -11,9 +11,8 @@
 // does) was 15-19 % slower than the integer maths instead: here the loads, the maths and the
 // store stay in registers.
 //
-// The row kernels (tokens, NHWC), as cpu_avx2.h's with 16 lanes: every load and store is
-// contiguous, the half conversions happen in registers, and a phasor's two channels stay in one
-// vector. Two permutes of two vectors of squares give 16 pair sums, one sqrt (and one divide)
+// The vector type V16 of the row kernels (tokens, NHWC; cpu_rows.h, shared with cpu_avx2.h's 8
+// lanes): two permutes of two vectors of squares give 16 pair sums, one sqrt (and one divide)
 // serve 32 channels, and two more permutes spread each pair's value back over its two lanes. Why:
 // the generic loops read the pairs with stride 2 and convert half rows through float32 buffers;
 // on an Intel AVX-512 Xeon a bfloat16 forward of (2048, 128) took twice float16's time there
@@ -28,11 +27,10 @@
 
 #if defined(MRS_AVX512_BF16)
 #include <immintrin.h>
-#include <omp.h>
 
-#include <cmath>
 #include <cstdint>
-#include <vector>
+
+#include "cpu_rows.h"
 
 namespace mrs::avx512 {
 
@@ -98,135 +96,43 @@ inline __m512 pair_squares_dup(__m512 a) {
   return _mm512_add_ps(sa, _mm512_permute_ps(sa, 0xB1));  // (c, c ^ 1): the same sum in both
 }
 
-// The per-phasor gain (P,) spread over the channels (C,): every loop here runs over channels.
-inline std::vector<float> per_channel(const float* w, int64_t C) {
-  std::vector<float> w2(w ? C : 0);
-  for (int64_t c = 0; c < static_cast<int64_t>(w2.size()); ++c) w2[c] = w[c / 2];
-  return w2;
-}
+// The vector type of the row kernels (cpu_rows.h): 16 lanes.
+struct V16 {
+  using R = __m512;
+  static constexpr int64_t kLanes = 16;
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float v) { return _mm512_set1_ps(v); }
+  template <typename T>
+  static R load(const T* p) { return load16(p); }
+  template <typename T>
+  static void store(T* p, R v) { avx512::store(p, v); }
+  template <typename T>
+  static void store2(T* p, R a, R b) {
+    avx512::store(p, a);
+    avx512::store(p + 16, b);
+  }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R div(R a, R b) { return _mm512_div_ps(a, b); }
+  static R sqrt(R a) { return _mm512_sqrt_ps(a); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }
+  static float hsum(R v) { return _mm512_reduce_add_ps(v); }
+  static R pair_squares(R a, R b) { return avx512::pair_squares(a, b); }
+  static R spread_lo(R v) { return avx512::spread_lo(v); }
+  static R spread_hi(R v) { return avx512::spread_hi(v); }
+  static R pair_squares_dup(R a) { return avx512::pair_squares_dup(a); }
+};
 
 template <typename T, bool kAffine>
 void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
               float eps, int nt) {
-  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
-  const __m512 ve = _mm512_set1_ps(eps);
-#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
-  for (int64_t a = 0; a < G; ++a) {
-    float s = 0.f;  // row by row: short float sums, then their total
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      int64_t c = 0;
-      for (; c + 64 <= C; c += 64) {  // two chains: the adds' latency stays hidden
-        acc0 = _mm512_add_ps(acc0, _mm512_sqrt_ps(_mm512_add_ps(pair_squares(load16(xr + c), load16(xr + c + 16)), ve)));
-        acc1 = _mm512_add_ps(acc1, _mm512_sqrt_ps(_mm512_add_ps(pair_squares(load16(xr + c + 32), load16(xr + c + 48)), ve)));
-      }
-      for (; c + 32 <= C; c += 32)
-        acc0 = _mm512_add_ps(acc0, _mm512_sqrt_ps(_mm512_add_ps(pair_squares(load16(xr + c), load16(xr + c + 16)), ve)));
-      float sr = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-      for (; c < C; c += 2) {
-        const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]);
-        sr += std::sqrt(x0 * x0 + x1 * x1 + eps);
-      }
-      s += sr;
-    }
-    if (rsum) rsum[a] = s;
-    const float inv = n_pairs / s;
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (int64_t l = 0; l < L; ++l) {
-      const T* xr = x + (a * L + l) * C;
-      T* yr = y + (a * L + l) * C;
-      int64_t c = 0;
-      for (; c + 16 <= C; c += 16)
-        store(yr + c, _mm512_mul_ps(load16(xr + c), kAffine ? _mm512_mul_ps(vinv, _mm512_loadu_ps(wc + c)) : vinv));
-      for (; c < C; ++c) st(yr + c, ld(xr[c]) * (kAffine ? inv * wc[c] : inv));
-    }
-  }
+  simd::fwd_rows<V16, T, kAffine>(x, w, y, rsum, G, L, C, eps, nt);
 }
-
 template <typename T, bool kAffine, bool kDw>
 void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
               int64_t G, int64_t L, int64_t C, float eps, int nt) {
-  const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
-  DwBuffers dwb(kDw, nt, C);  // per-thread, per-channel rows: pairs are summed once, at the end
-  const __m512 ve = _mm512_set1_ps(eps);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    float* my = dwb.mine();
-#pragma omp for schedule(static)
-    for (int64_t a = 0; a < G; ++a) {
-      const float inv_s = n_pairs / rsum[a];
-      float csum = 0.f;  // sum_k w g x over the group, row by row
-      for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        int64_t c = 0;
-        for (; c + 32 <= C; c += 32) {
-          __m512 g0 = load16(gr + c), g1 = load16(gr + c + 16);
-          if constexpr (kAffine) {
-            g0 = _mm512_mul_ps(g0, _mm512_loadu_ps(wc + c));
-            g1 = _mm512_mul_ps(g1, _mm512_loadu_ps(wc + c + 16));
-          }
-          acc0 = _mm512_fmadd_ps(g0, load16(xr + c), acc0);
-          acc1 = _mm512_fmadd_ps(g1, load16(xr + c + 16), acc1);
-        }
-        for (; c + 16 <= C; c += 16) {
-          __m512 g0 = load16(gr + c);
-          if constexpr (kAffine) g0 = _mm512_mul_ps(g0, _mm512_loadu_ps(wc + c));
-          acc0 = _mm512_fmadd_ps(g0, load16(xr + c), acc0);
-        }
-        float cr = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-        for (; c < C; ++c) cr += (kAffine ? wc[c] : 1.f) * ld(gr[c]) * ld(xr[c]);
-        csum += cr;
-      }
-      const float k = csum * inv_s * inv_s / n_pairs;  // dx = w g / S - k x / r
-      const __m512 vk = _mm512_set1_ps(k), vinv = _mm512_set1_ps(inv_s);
-      for (int64_t l = 0; l < L; ++l) {
-        const T* xr = x + (a * L + l) * C;
-        const T* gr = g + (a * L + l) * C;
-        T* dr = dx + (a * L + l) * C;
-        // dx and the weight-gradient row of 16 channels, given k / r over their lanes
-        auto grad16 = [&](int64_t c, __m512 x0, __m512 kr) {
-          const __m512 g0 = load16(gr + c);
-          const __m512 m = kAffine ? _mm512_mul_ps(_mm512_loadu_ps(wc + c), vinv) : vinv;
-          store(dr + c, _mm512_fmsub_ps(g0, m, _mm512_mul_ps(kr, x0)));
-          if constexpr (kDw) _mm512_storeu_ps(my + c, _mm512_fmadd_ps(_mm512_mul_ps(g0, x0), vinv, _mm512_loadu_ps(my + c)));
-        };
-        int64_t c = 0;
-        for (; c + 32 <= C; c += 32) {  // k / r of 16 pairs, one sqrt and one divide
-          const __m512 x0 = load16(xr + c), x1 = load16(xr + c + 16);
-          const __m512 kr = _mm512_div_ps(vk, _mm512_sqrt_ps(_mm512_add_ps(pair_squares(x0, x1), ve)));
-          grad16(c, x0, spread_lo(kr));
-          grad16(c + 16, x1, spread_hi(kr));
-        }
-        for (; c + 16 <= C; c += 16) {
-          const __m512 x0 = load16(xr + c);
-          grad16(c, x0, _mm512_div_ps(vk, _mm512_sqrt_ps(_mm512_add_ps(pair_squares_dup(x0), ve))));
-        }
-        for (; c < C; c += 2) {
-          const float x0 = ld(xr[c]), x1 = ld(xr[c + 1]), g0 = ld(gr[c]), g1 = ld(gr[c + 1]);
-          const float kr = k / std::sqrt(x0 * x0 + x1 * x1 + eps);
-          const float m = kAffine ? wc[c] * inv_s : inv_s;
-          st(dr + c, g0 * m - kr * x0);
-          st(dr + c + 1, g1 * m - kr * x1);
-          if constexpr (kDw) {
-            my[c] += g0 * x0 * inv_s;
-            my[c + 1] += g1 * x1 * inv_s;
-          }
-        }
-      }
-    }
-  }
-  if constexpr (kDw) {
-    std::vector<float> per_channel_dw(C);
-    dwb.reduce(per_channel_dw.data());
-    for (int64_t p = 0; p < C / 2; ++p) dw[p] = per_channel_dw[2 * p] + per_channel_dw[2 * p + 1];
-  }
+  simd::bwd_rows<V16, T, kAffine, kDw>(x, g, w, rsum, dx, dw, G, L, C, eps, nt);
 }
 
 }  // namespace mrs::avx512
