@@ -264,11 +264,13 @@ def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_kernels._flag_sets() == [portable]
 
 
-@pytest.mark.parametrize("other", ["portable", "generic", pytest.param("avx2", marks=needs_avx2)])
+@pytest.mark.parametrize("other", ["portable", "generic", pytest.param("avx2", marks=needs_avx2),
+                                   pytest.param("haswell", marks=needs_avx2)])
 def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the default build (-march=native, kernel set auto) against: the portable build (no -march: the generic loops on
-    # the x86-64 baseline), and each kernel set (cpu_avx2.h, the compiler-vectorised loops): the same maths, sums
-    # in another order
+    # the x86-64 baseline), an AVX2-only build (-march=haswell: what -march=native gives on an AVX2 CPU, cpu_avx2.h
+    # without any AVX-512 instruction), and each kernel set (cpu_avx2.h, the compiler-vectorised loops): the same
+    # maths, sums in another order
     cases = [(KERNELS[k], dtype, affine) for k in KERNELS for dtype in (torch.float32, torch.bfloat16, torch.float16)
              for affine in (True, False)]
     cases += [(LAYOUTS["simd_tails"][:3], torch.bfloat16, True), (LAYOUTS["odd_phasors"][:3], torch.float16, True)]
@@ -283,11 +285,12 @@ def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, 
 
     assert cpu_kernels.available()
     default = run_all()
-    if other == "portable":
-        portable_flags = cpu_kernels._flag_sets()[1]
-        monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [portable_flags])
+    if other in ("portable", "haswell"):
+        flags = cpu_kernels._flag_sets()[1] + (["-march=haswell"] if other == "haswell" else [])
+        monkeypatch.setattr(cpu_kernels, "_flag_sets", lambda: [flags])
         cpu_kernels._STATE.clear()
         assert cpu_kernels.available() and "-march=native" not in cpu_kernels.build_flags()
+        assert cpu_kernels.loaded_kernels() == ("avx2" if other == "haswell" else "generic")
         theirs_all = run_all()
     else:
         with cpu_kernels.using(other):
