@@ -38,8 +38,8 @@
 
 namespace mrs::avx2 {
 
-#if defined(MRS_AVX512_BF16) && defined(__AVX512VL__)
-constexpr bool kCvtBf16 = true;  // store8(bf16*) is one conversion instruction
+#if defined(MRS_BF16_STORE8)
+constexpr bool kCvtBf16 = true;  // store8(bf16*) is one conversion instruction (cpu_half.h)
 #else
 constexpr bool kCvtBf16 = false;
 #endif
@@ -66,25 +66,8 @@ inline __m256i bf16_bits(__m256 v) {
   const __m256i nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));  // quiet, sign and payload kept
   return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
-#if defined(MRS_AVX512_BF16) && defined(__AVX512VL__)
-// With AVX512_BF16 (and VL): vcvtneps2bf16 on 8 lanes, nearest even in one instruction. It
-// flushes subnormal floats to zero, so a vector holding one goes through st, as store16 does.
-inline void store8(bf16* p, __m256 v) {
-#if defined(__AVX512DQ__)
-  const __mmask8 sub = _mm256_fpclass_ps_mask(v, 0x20);  // the denormal class
-#else
-  const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
-  const __mmask8 sub = _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)),
-                                               _mm256_set1_epi32(0x007fffff));
-#endif
-  if (sub != 0) [[unlikely]] {
-    alignas(32) float f[8];
-    _mm256_store_ps(f, v);
-    for (int i = 0; i < 8; ++i) st(p + i, f[i]);
-    return;
-  }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
-}
+#if defined(MRS_BF16_STORE8)
+using mrs::store8;  // bfloat16 with AVX512_BF16 and VL: vcvtneps2bf16 behind the subnormal test
 #else
 inline void store8(bf16* p, __m256 v) {
   const __m256i r = bf16_bits(v);
@@ -92,13 +75,10 @@ inline void store8(bf16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 #endif
-// 16 values at once: one pack and one 32-byte store
+// 16 values at once: for bfloat16 by integer maths, one pack and one 32-byte store
 template <typename T>
 inline void store16(T* p, __m256 a, __m256 b) {
-  if constexpr (std::is_same_v<T, bf16> && kCvtBf16) {
-    store8(p, a);
-    store8(p + 8, b);
-  } else if constexpr (std::is_same_v<T, bf16>) {
+  if constexpr (std::is_same_v<T, bf16> && !kCvtBf16) {
     const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));  // lanes [a0-3 b0-3 | a4-7 b4-7]
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
   } else {
@@ -110,10 +90,6 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-// The 8 pair sums of squares of 16 channels: lanes [a01 a23 b01 b23 | a45 a67 b45 b67].
-inline __m256 pair_squares(__m256 a, __m256 b) {
-  return _mm256_hadd_ps(_mm256_mul_ps(a, a), _mm256_mul_ps(b, b));
 }
 
 // The vector type of the row kernels (cpu_rows.h): 8 lanes.
@@ -135,8 +111,9 @@ struct V8 {
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }
   static float hsum(R v) { return avx2::hsum(v); }
-  static R pair_squares(R a, R b) { return avx2::pair_squares(a, b); }
-  // pair_squares' lanes [a01 a23 b01 b23 | a45 a67 b45 b67] back over a's and b's channels
+  // the 8 pair sums of squares of 16 channels: lanes [a01 a23 b01 b23 | a45 a67 b45 b67]
+  static R pair_squares(R a, R b) { return _mm256_hadd_ps(_mm256_mul_ps(a, a), _mm256_mul_ps(b, b)); }
+  // those lanes back over a's and b's channels
   static R spread_lo(R v) { return _mm256_unpacklo_ps(v, v); }
   static R spread_hi(R v) { return _mm256_unpackhi_ps(v, v); }
   static R pair_squares_dup(R a) {

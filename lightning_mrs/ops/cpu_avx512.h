@@ -16,7 +16,7 @@
 // serve 32 channels, and two more permutes spread each pair's value back over its two lanes. Why:
 // the generic loops read the pairs with stride 2 and convert half rows through float32 buffers;
 // on an Intel AVX-512 Xeon a bfloat16 forward of (2048, 128) took twice float16's time there
-// (docs/performance-lm.md#avx-512-row-kernels). Which dtypes run them: kAvx512Rows in
+// (docs/performance-lm.md#avx-512-row-kernels). Where they run: kAvx512Rows in
 // cpu_kernels.cpp.
 //
 // Same maths as the generic loops; sums run in another order and products may fuse otherwise
@@ -76,27 +76,7 @@ inline void store(f16* p, __m512 v) {  // nearest even, like st(f16*)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
 }
 
-// The 16 pair sums of squares of 32 channels (a: channels 0-15, b: 16-31), in pair order.
-inline __m512 pair_squares(__m512 a, __m512 b) {
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512 sa = _mm512_mul_ps(a, a), sb = _mm512_mul_ps(b, b);
-  return _mm512_add_ps(_mm512_permutex2var_ps(sa, even, sb), _mm512_permutex2var_ps(sa, odd, sb));
-}
-// 16 pair values over the 32 channels of their pairs: channels 0-15 (lo) and 16-31 (hi).
-inline __m512 spread_lo(__m512 v) {
-  return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
-}
-inline __m512 spread_hi(__m512 v) {
-  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
-}
-// The pair sums of squares of 16 channels, each over both lanes of its pair.
-inline __m512 pair_squares_dup(__m512 a) {
-  const __m512 sa = _mm512_mul_ps(a, a);
-  return _mm512_add_ps(sa, _mm512_permute_ps(sa, 0xB1));  // (c, c ^ 1): the same sum in both
-}
-
-// The vector type of the row kernels (cpu_rows.h): 16 lanes.
+// The vector type of the row kernels (cpu_rows.h: simd::fwd_rows<V16, ...>): 16 lanes.
 struct V16 {
   using R = __m512;
   static constexpr int64_t kLanes = 16;
@@ -118,22 +98,25 @@ struct V16 {
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }
   static float hsum(R v) { return _mm512_reduce_add_ps(v); }
-  static R pair_squares(R a, R b) { return avx512::pair_squares(a, b); }
-  static R spread_lo(R v) { return avx512::spread_lo(v); }
-  static R spread_hi(R v) { return avx512::spread_hi(v); }
-  static R pair_squares_dup(R a) { return avx512::pair_squares_dup(a); }
+  // the 16 pair sums of squares of 32 channels (a: channels 0-15, b: 16-31), in pair order
+  static R pair_squares(R a, R b) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const R sa = _mm512_mul_ps(a, a), sb = _mm512_mul_ps(b, b);
+    return _mm512_add_ps(_mm512_permutex2var_ps(sa, even, sb), _mm512_permutex2var_ps(sa, odd, sb));
+  }
+  // 16 pair values over the 32 channels of their pairs: channels 0-15 (lo) and 16-31 (hi)
+  static R spread_lo(R v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), v);
+  }
+  static R spread_hi(R v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), v);
+  }
+  static R pair_squares_dup(R a) {  // each pair's sum of squares over both its lanes
+    const R sa = _mm512_mul_ps(a, a);
+    return _mm512_add_ps(sa, _mm512_permute_ps(sa, 0xB1));  // (c, c ^ 1): the same sum in both
+  }
 };
-
-template <typename T, bool kAffine>
-void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
-              float eps, int nt) {
-  simd::fwd_rows<V16, T, kAffine>(x, w, y, rsum, G, L, C, eps, nt);
-}
-template <typename T, bool kAffine, bool kDw>
-void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
-              int64_t G, int64_t L, int64_t C, float eps, int nt) {
-  simd::bwd_rows<V16, T, kAffine, kDw>(x, g, w, rsum, dx, dw, G, L, C, eps, nt);
-}
 
 }  // namespace mrs::avx512
 

@@ -110,15 +110,34 @@ inline __mmask16 subnormal_mask(__m512 v) {
   return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x007fffff));
 #endif
 }
+// v's floats through st one at a time: the exact rounding, for a vector holding a subnormal.
+template <typename V>
+inline void st_each(bf16* p, V v) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  alignas(64) float f[n];
+  std::memcpy(f, &v, sizeof(V));
+  for (int i = 0; i < n; ++i) st(p + i, f[i]);
+}
 inline void store16(bf16* p, __m512 v) {
-  if (subnormal_mask(v) != 0) [[unlikely]] {
-    alignas(64) float f[16];
-    _mm512_store_ps(f, v);
-    for (int i = 0; i < 16; ++i) st(p + i, f[i]);
-    return;
-  }
+  if (subnormal_mask(v) != 0) [[unlikely]] return st_each(p, v);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
+#if defined(__AVX512VL__)
+#define MRS_BF16_STORE8 1  // store8 below: cpu_avx2.h's bfloat16 stores
+inline __mmask8 subnormal_mask(__m256 v) {
+#if defined(__AVX512DQ__)
+  return _mm256_fpclass_ps_mask(v, 0x20);
+#else
+  const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+  return _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x007fffff));
+#endif
+}
+// 8 floats as bfloat16 at p, as store16 stores 16.
+inline void store8(bf16* p, __m256 v) {
+  if (subnormal_mask(v) != 0) [[unlikely]] return st_each(p, v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+}
+#endif
 #endif
 // The first values of a float32 row as bfloat16 with store16; returns how many (0 without it).
 inline int64_t f32_to_bf16_simd([[maybe_unused]] const float* src, [[maybe_unused]] bf16* dst,

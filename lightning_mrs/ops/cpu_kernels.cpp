@@ -357,11 +357,9 @@ constexpr bool kAvx2 = false;
 // ms: 0.085 / 0.095 / 0.095, 0.099 / 0.108 / 0.148, 0.086 / 0.089 / 0.120). The per-sample
 // kernels (NCHW) keep the choice of kAvx2.
 #if defined(MRS_AVX512_BF16) && !defined(MRS_KERNELS_AVX2)
-template <typename T>
 constexpr bool kAvx512Rows = true;
-#define MRS_ROWS(T, fn, ...) (kAvx512Rows<T> ? &mrs::avx512::fn<__VA_ARGS__> : MRS_KERNEL(T, fn, __VA_ARGS__))
+#define MRS_ROWS(T, fn, ...) (&mrs::simd::fn<mrs::avx512::V16, __VA_ARGS__>)
 #else
-template <typename T>
 constexpr bool kAvx512Rows = false;
 #define MRS_ROWS(T, fn, ...) MRS_KERNEL(T, fn, __VA_ARGS__)
 #endif
@@ -405,13 +403,13 @@ constexpr bool kAvx512Rows = false;
   }
 
 // Which kernels this build runs (cpu_kernels.py: loaded_kernels): 1 = the generic loops, 2 =
-// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = as 3 with
-// the bfloat16 stores of cpu_half.h / cpu_avx512.h (AVX512_BF16; every such CPU has AVX2 and F16C),
-// 5 = as 4 for the per-sample kernels and cpu_avx512.h's row kernels for every dtype.
+// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = the row
+// kernels of cpu_avx512.h for every dtype, and for the per-sample kernels as 3 with the bfloat16
+// stores of cpu_half.h / cpu_avx512.h (AVX512_BF16; every such CPU has AVX2 and F16C).
 extern "C" int mrs_kernel_set() {
   if (kAvx2<float> && kAvx2<bf16>) return 2;
-  if (kAvx512Rows<float> && kAvx512Rows<bf16> && kAvx512Rows<f16>) return 5;
-  if (kAvx2<f16>) return kAvx512<bf16> ? 4 : 3;
+  if (kAvx512Rows) return 4;
+  if (kAvx2<f16>) return 3;
   return 1;
 }
 

@@ -21,8 +21,8 @@ for float16 and the compiler-vectorised loops of ``cpu_kernels.cpp`` for float32
 (the faster of the two for each, as measured; with AVX512_BF16 the bfloat16 stores and the
 output loops of the NCHW kernels are ``cpu_avx512.h``'s, one ``vcvtneps2bf16`` per 16 values,
 and so are the row kernels of every dtype), and the loops everywhere else; ``avx2`` and
-``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says which kernels are running. Nothing happens at import
-time; :func:`available` triggers the build. If the build fails (no compiler, no OpenMP), :func:`available` returns ``False`` and
+``generic`` ask for one of the two on any CPU that can run it. :func:`loaded_kernels` says which
+kernels are running. Nothing happens at import time; :func:`available` triggers the build. If the build fails (no compiler, no OpenMP), :func:`available` returns ``False`` and
 :func:`build_error` says why; ``backend="auto"`` then takes the next backend.
 ``LIGHTNING_MRS_CPU_KERNELS=0`` turns this path off.
 
@@ -70,8 +70,7 @@ KERNEL_SETS = ("auto", "avx2", "generic")
 _DEFINES = {"auto": [], "avx2": ["-DMRS_KERNELS_AVX2"], "generic": ["-DMRS_KERNELS_GENERIC"]}
 #: mrs_kernel_set() of the library -> the kernels it runs (loaded_kernels)
 _LOADED = {1: "generic", 2: "avx2", 3: "avx2 for float16, generic for float32 and bfloat16",
-           4: "avx2 for float16, avx512_bf16 for bfloat16, generic for float32",
-           5: "avx512 rows; per sample avx2 for float16, avx512_bf16 for bfloat16, generic for float32"}
+           4: "avx512 rows; per sample avx2 for float16, avx512_bf16 for bfloat16, generic for float32"}
 # The state of the kernel set in use: "set" (its name), "lib" (ctypes.CDLL or None), "error",
 # "flags", "fns". One dict per set in _SETS; using() swaps _STATE, the hot path reads it as is.
 _STATE: dict[str, object] = {}
