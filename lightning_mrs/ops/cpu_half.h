@@ -17,6 +17,14 @@
 
 namespace mrs {
 
+// Half rows go through float32 buffers a block of kBlock values at a time: whole buffers of
+// a 4096-wide row (x, g and dx: 48 KiB) would not stay in L1 beside the weight and the
+// weight-gradient row, and the backward ran at twice float32's time per byte. A row of at
+// most kBlock channels is one block, converted once for both passes. Float rows are read in
+// place, in one block. The sample kernels (cpu_sample.h) convert their float16 rows of
+// positions the same way.
+constexpr int64_t kBlock = 512;  // even: a block holds whole pairs
+
 inline float as_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);

@@ -53,7 +53,9 @@ __all__ = ["KERNEL_SETS", "NAME", "available", "backward", "build_error", "build
 
 NAME = "cpp"
 SOURCE = Path(__file__).with_suffix(".cpp")  # cpu_kernels.cpp, beside this file
-HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_half.h", "cpu_rows.h", "cpu_avx2.h", "cpu_avx512.h"))  # what SOURCE includes: the cache key
+#: what SOURCE includes, directly or not: part of the cache key
+HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_half.h", "cpu_rows.h", "cpu_sample.h", "cpu_avx2.h",
+                                              "cpu_avx512.h"))
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _WKIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the weight's dtype for the kernels
 #: Elements per thread below which a call runs on one thread: waking an OpenMP team costs
