@@ -36,7 +36,6 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -45,9 +44,10 @@ from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, re
 from recipes.causal_lm import decoder_layers
 from recipes.errors import UsageError
 from recipes.lm_model import build_byte_model
+from recipes.lm_setup import FSDP2Strategy, compile_layers, shard_layers
 from recipes.optim import eps_underflows, optimizer_options, param_groups, warmup_cosine
 from recipes.text_corpus import unigram_entropy
-from recipes.training import check_model_options
+from recipes.training import DtypeWatch, check_model_options
 
 __all__ = ["DEFAULT_PROMPT", "NORMS", "ByteLM", "FSDP2Strategy", "build_byte_model"]
 
@@ -94,6 +94,10 @@ class ByteLM(pl.LightningModule):
             and ``config`` (which it excludes): a ``save_pretrained`` directory, or a hub name
             where the network allows (:mod:`recipes.pretrained_lm`); its tokenizer feeds the
             data (the recipe links ``--data.tokenizer`` to it).
+
+        compile: ``torch.compile`` the decoder layers when the trainer sets the model up
+            (:func:`recipes.lm_setup.compile_layers`: in place, weights' names unchanged; after
+            FSDP2's sharding); the first steps then take longer while Inductor compiles.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class ByteLM(pl.LightningModule):
         prompt: str = DEFAULT_PROMPT,
         sample_bytes: int = 64,
         pretrained: Optional[str] = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if pretrained is not None and config:
@@ -135,7 +140,7 @@ class ByteLM(pl.LightningModule):
         self.model, self.swap_report = build_byte_model(arch, config, norm, qk_norm, mrs_backend, seq_len,
                                                         attn_implementation, pretrained)
         self._val_sums: Optional[torch.Tensor] = None  # (summed target nats, target bytes) of this validation
-        self.activation_dtype: Optional[torch.dtype] = None  # what the first decoder matmul put out
+        self._dtype_watch = DtypeWatch()  # what the first decoder layer's first matmul put out
         self.last_sample: Optional[str] = None
         self._precision_said = False
         self._last_batch_end: Optional[float] = None
@@ -146,6 +151,12 @@ class ByteLM(pl.LightningModule):
         self._unigram_writers: dict[str, Any] = {}  # TensorBoard log dir -> writer of <run>/unigram
         self.learning_curve = False  # bpb/* and the <run>/unigram baselines; the command line turns it on
         self._sharded = False
+        self._compiled = False
+
+    @property
+    def activation_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the first decoder layer's first matmul put out in this fit (``None`` before its first batch)."""
+        return self._dtype_watch.dtype
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits  # (N, T) -> (N, T, vocab)
@@ -168,22 +179,12 @@ class ByteLM(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         mesh = self.device_mesh  # set by ModelParallelStrategy only
-        if mesh is None or self._sharded:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
-            raise UsageError("ModelParallelStrategy: the LM recipe shards data-parallel only (FSDP2); give it "
-                             "tensor_parallel_size=1.")
-        dp = mesh["data_parallel"]
-        layers = decoder_layers(self.model)
-        kinds = ", ".join(sorted({type(layer).__name__ for layer in layers})) or "no decoder layer found"
-        for layer in layers:  # one all-gather per block, as transformers' own FSDP wrapping does
-            fully_shard(layer, mesh=dp)
-        fully_shard(self.model, mesh=dp)
-        self._sharded = True
-        rank_zero_info(f"FSDP2: fully_shard on {len(layers)} decoder layers ({kinds}) and the whole model, "
-                       f"over {dp.size()} processes")
+        if mesh is not None and not self._sharded:
+            self._sharded = True
+            rank_zero_info(shard_layers(self.model, mesh))
+        if self.hparams.get("compile") and not self._compiled:  # after the sharding: its hooks stay eager
+            self._compiled = True
+            rank_zero_info(f"torch.compile: {compile_layers(self.model)}")
 
     @override
     def on_fit_start(self) -> None:
@@ -208,23 +209,7 @@ class ByteLM(pl.LightningModule):
             unit = "tokens" if tokenizer is not None else "bytes"
             rank_zero_info(f"global batch {per_device * world * accumulate} windows of {self.hparams.seq_len} {unit} "
                            f"= {per_device} per device x {world} processes x {accumulate} accumulation")
-        self._watch_activation_dtype()
-
-    def _watch_activation_dtype(self) -> None:
-        """Record the dtype of the first decoder layer's first matmul output (``nn.Linear``, GPT-2's ``Conv1D``)."""
-        layers = decoder_layers(self.model) or [self.model]
-        first = next((m for m in layers[0].modules()
-                      if getattr(m, "weight", None) is not None and m.weight.dim() == 2
-                      and not isinstance(m, nn.Embedding)), None)
-        if first is None or self.activation_dtype is not None:
-            return
-
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor):
-                self.activation_dtype = output.dtype
-                handle.remove()
-
-        handle = first.register_forward_hook(record)
+        self._dtype_watch.watch((decoder_layers(self.model) or [self.model])[0])
 
     @override
     def on_train_start(self) -> None:
@@ -289,6 +274,8 @@ class ByteLM(pl.LightningModule):
         if not self._precision_said and self.activation_dtype is not None:  # the fit's first batch, whatever its step
             self._precision_said = True
             rank_zero_info(self.describe_precision())
+        if self.activation_dtype is not None:
+            self._dtype_watch.close()
 
     def describe_precision(self) -> str:
         """Which dtype the activations ran in, under which precision setting and loss scaler."""
@@ -387,6 +374,7 @@ class ByteLM(pl.LightningModule):
         for writer in self._unigram_writers.values():
             writer.close()
         self._unigram_writers.clear()
+        self._dtype_watch.close()  # a fit that ended before its first training batch still holds the hook
 
     @torch.no_grad()
     def continuation(self, prompt: str, length: int) -> str:
@@ -434,17 +422,3 @@ class ByteLM(pl.LightningModule):
         schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
 
-
-class FSDP2Strategy(ModelParallelStrategy):
-    """``--trainer.strategy fsdp2``: ModelParallelStrategy sharding over every process, no tensor parallelism.
-
-    ModelParallelStrategy's ``"auto"`` sizes make every device of a node tensor-parallel; the
-    recipe's :meth:`ByteLM.configure_model` shards data-parallel only (``fully_shard`` per decoder
-    layer, then the whole model), so its data-parallel group is all the processes.
-    """
-
-    @override
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()

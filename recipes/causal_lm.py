@@ -190,6 +190,8 @@ def build_causal_lm(arch: str, overrides: Optional[dict[str, Any]] = None, seq_l
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the modules named in its ``_no_split_modules`` (transformers' own list)."""
+    """The model's repeated blocks: the modules of a class named in its ``_no_split_modules`` (transformers' own
+    list), subclasses included (FSDP2's ``fully_shard`` turns a ``LlamaDecoderLayer`` into an
+    ``FSDPLlamaDecoderLayer``)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]

@@ -12,6 +12,8 @@ Run from the repository root (no subcommand: the script fits, validating every
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
     # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
     python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
+    # torch.compile each decoder layer (Inductor; MRSNorm keeps its own kernels inside the graphs)
+    python recipes/lm.py --model.compile true --trainer.precision bf16-mixed
     # fine-tune a pretrained checkpoint (a save_pretrained directory) with its tokenizer, its norms swapped
     python recipes/lm.py --model.pretrained my-llama/ --model.norm mrs --data.dataset text --data.path corpus/
     # the monitors: which run (--monitors) and their options (--outlier.*, --monitor.*, --attention.*)
@@ -123,6 +125,7 @@ RESUME: dict[str, str] = {
     "--model.schedule": MAY_CHANGE,
     "--model.mrs_backend": MAY_CHANGE,
     "--model.attn_implementation": MAY_CHANGE,
+    "--model.compile": MAY_CHANGE,
     "--data.dataset": MAY_CHANGE,
     "--data.path": MAY_CHANGE,
     "--data.batch_size": MAY_CHANGE,

@@ -56,3 +56,4 @@ def build_byte_model(arch: str, config: Optional[dict[str, Any]], norm: str, qk_
         if isinstance(module, MRSNorm):
             module.backend = mrs_backend
     return model, report
+

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from recipes.errors import UsageError, report
 
-__all__ = ["QK_NORM_CHOICES", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
+__all__ = ["QK_NORM_CHOICES", "DtypeWatch", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
            "check_model_options", "cpu_fp16", "default_precision", "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
@@ -144,3 +144,33 @@ def run_main(main: Callable[[Optional[list[str]]], None], args: Optional[list[st
     except (UsageError, MisconfigurationException) as err:
         return report(err)
     return 0
+
+
+class DtypeWatch:
+    """The dtype of the first matmul output (``nn.Linear``, GPT-2's ``Conv1D``) inside a block: what the
+    activations ran in under the run's precision setting, recorded by a forward hook.
+
+    The hook never removes itself: a compiled block (``--model.compile``) cannot trace a handle's
+    removal and would fall back to eager code; :meth:`close` removes it once the dtype is known.
+    """
+
+    def __init__(self) -> None:
+        self.dtype: Optional[torch.dtype] = None
+        self._handle: Optional[Any] = None
+
+    def watch(self, block: torch.nn.Module) -> None:
+        """Hook the first 2-d weight of ``block`` that is not an embedding (nothing if none, or already seen)."""
+        first = next((m for m in block.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+                      and not isinstance(m, torch.nn.Embedding)), None)
+        if first is not None and self.dtype is None and self._handle is None:
+            self._handle = first.register_forward_hook(self._record)
+
+    def _record(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self.dtype = output.dtype
+
+    def close(self) -> None:
+        """Remove the hook (the dtype stays)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -140,6 +140,8 @@ def test_every_recipe_flag_exists_in_the_recipes_help(script: str, tmp_path: Pat
         cmd, notes = gpu_check.recipe_command(script, "bf16-mixed", "cuda", devices, strategy, tmp_path, flags)
         assert not any(note.startswith("its --help lacks") for note in notes), notes
         assert cmd[cmd.index("--trainer.accelerator") + 1] == "gpu"
+    if script == "recipes/lm.py":  # the compiled LM row runs, not SKIPs
+        assert gpu_check.compile_flag(flags) == ["--model.compile", "true"]
 
 
 @pytest.mark.slow
@@ -151,4 +153,6 @@ def test_the_recipe_and_pytest_checks_run_on_the_cpu(tmp_path: Path) -> None:
     assert status == 0, rows
     assert rows["recipes/cifar100.py 16-mixed"]["status"] == "PASS"
     assert rows["recipes/lm.py bf16-mixed"]["status"] == "PASS"
+    assert rows["recipes/lm.py bf16-mixed compiled"]["status"] == "PASS"
+    assert "--model.compile" in rows["recipes/lm.py bf16-mixed compiled"]["figures"]["command"]
     assert rows["pytest -m cuda"]["status"] == "SKIP"  # every CUDA test skips here

@@ -65,3 +65,16 @@ def _export_the_shards(tmp_path: Path) -> None:
 def test_fsdp2_in_float32_on_two_cpu_processes(tmp_path: Path) -> None:
     out = _fsdp2_run(tmp_path, "32-true")
     assert "precision 32-true: activations ran in torch.float32" in out
+
+
+@pytest.mark.slow  # two processes compiling: about 30 s on 2 idle cores, and the eager run
+def test_fsdp2_with_compiled_layers_is_the_eager_fsdp2_run(tmp_path: Path) -> None:
+    def fit_line(out: str) -> str:
+        line = next(ln for ln in out.splitlines() if ln.startswith("fit: 3 steps in"))
+        return line.split(";", 1)[1]  # "val/bpb ... (a unigram model ...)": not the seconds
+
+    eager = _fsdp2_run(tmp_path / "eager", "32-true", "--model.norm", "mrs")
+    compiled = _fsdp2_run(tmp_path / "compiled", "32-true", "--model.norm", "mrs", "--model.compile", "true")
+    assert "torch.compile: 2 decoder layers (FSDPLlamaDecoderLayer), each in place" in compiled  # after fully_shard
+    assert "torch.compile" not in eager
+    assert fit_line(compiled) == fit_line(eager)  # val/bpb to the printed digits
