@@ -11,8 +11,8 @@ Checks, in this order (``--dry-run`` lists them with their commands):
   ``LigerLayerNorm``, with the achieved fraction of the memory bandwidth on the large token
   shapes (of a device copy, and of the GPU's nominal figure);
 * ``recipes``: a few steps of ``recipes/cifar100.py`` (synthetic data, ``16-mixed`` and
-  ``bf16-mixed``) and ``recipes/lm.py`` (``bf16-mixed``, and ``torch.compile`` where its
-  ``--help`` offers it), monitors on; ``multi-gpu`` (with 2 or more GPUs): the same with
+  ``bf16-mixed``) and ``recipes/lm.py`` (``bf16-mixed``, and again with ``--model.compile
+  true``: its decoder layers compiled by Inductor), monitors on; ``multi-gpu`` (with 2 or more GPUs): the same with
   ``--trainer.devices 2`` (DDP) and FSDP2.
 
 Each check ends as PASS, FAIL (with why), SKIP (with why: no Liger, one GPU, the time budget)
@@ -163,11 +163,14 @@ def help_flags(script: str) -> set[str]:
 
 
 def recipe_command(script: str, precision: str, ctx_device: str, devices: int, strategy: Optional[str],
-                   root_dir: Path, flags: Optional[set[str]] = None) -> tuple[list[str], list[str]]:
-    """``(command, notes)``: a few steps of ``script`` with the monitors on; ``notes`` say what its
-    ``--help`` did not offer (then that part is left out)."""
+                   root_dir: Path, flags: Optional[set[str]] = None,
+                   compiled: bool = False) -> tuple[list[str], list[str]]:
+    """``(command, notes)``: a few steps of ``script`` with the monitors on (``compiled``: its model
+    compiled, ``--model.compile true``); ``notes`` say what its ``--help`` did not offer (then that
+    part is left out, or the check fails where the option is the point of it)."""
     accelerator = "gpu" if ctx_device.startswith("cuda") else "cpu"
-    run_dir = root_dir / f"{Path(script).stem}_{precision}_{devices}{'_' + strategy if strategy else ''}"
+    run_dir = root_dir / (f"{Path(script).stem}_{precision}_{devices}{'_' + strategy if strategy else ''}"
+                          f"{'_compiled' if compiled else ''}")
     cmd = [sys.executable, script, "--trainer.accelerator", accelerator, "--trainer.devices", str(devices),
            "--trainer.precision", precision, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2",
            "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
@@ -186,6 +189,8 @@ def recipe_command(script: str, precision: str, ctx_device: str, devices: int, s
                 '{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512}',
                 "--data.dataset", "stdlib", "--data.seq_len", "128", "--data.batch_size", "16",
                 "--data.val_windows", "32", "--trainer.val_check_interval", "3"]
+    if compiled:
+        cmd += ["--model.compile", "true"]
     if flags is not None:
         for monitor in ("--monitor.log_every_n_steps", "--attention.log_every_n_steps"):
             if monitor in flags:
@@ -196,14 +201,6 @@ def recipe_command(script: str, precision: str, ctx_device: str, devices: int, s
         if unknown:
             notes.append(f"its --help lacks {', '.join(unknown)}")
     return cmd, notes
-
-
-def compile_flag(flags: set[str]) -> Optional[list[str]]:
-    """The arguments that turn ``torch.compile`` on in a recipe, if its ``--help`` has such an option."""
-    for flag in ("--model.compile", "--compile", "--trainer.compile"):
-        if flag in flags:
-            return [flag, "true"]
-    return None
 
 
 def _run_command(cmd: list[str], timeout: float) -> tuple[int, str]:
@@ -223,15 +220,10 @@ def _last_error(text: str) -> str:
 
 
 def _recipe_check(script: str, precision: str, devices: int = 1, strategy: Optional[str] = None,
-                  compile_: bool = False) -> Callable[[Context], tuple[str, str, dict]]:
+                  compiled: bool = False) -> Callable[[Context], tuple[str, str, dict]]:
     def run(ctx: Context) -> tuple[str, str, dict]:
         flags = help_flags(script)
-        cmd, notes = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir, flags)
-        if compile_:
-            extra = compile_flag(flags)
-            if extra is None:
-                return "SKIP", f"{script} --help offers no torch.compile option (looked for --model.compile, --compile)", {}
-            cmd += extra
+        cmd, notes = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir, flags, compiled)
         if any(n.startswith("its --help lacks") for n in notes):
             return "FAIL", "; ".join(notes), {"command": cmd}
         t0 = time.perf_counter()
@@ -294,9 +286,9 @@ def checks(ctx: Context) -> list[Check]:
         ("multi-gpu", f"{lm} bf16-mixed FSDP2 x2", 60, lm, "bf16-mixed", 2, "fsdp2", False),
     ]
     for group, name, seconds, script, precision, devices, strategy, compiled in recipes:
-        cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir)
+        cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir, compiled=compiled)
         out.append(Check(group, name, seconds, _recipe_check(script, precision, devices, strategy, compiled),
-                         gpus=devices, command=cmd + (["(+ the compile option of its --help)"] if compiled else [])))
+                         gpus=devices, command=cmd))
     return out
 
 

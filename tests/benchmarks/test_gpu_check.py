@@ -126,9 +126,16 @@ def test_budget_gpus_and_crashes_become_rows(tmp_path: Path, monkeypatch: pytest
     assert gpu_check.summary(rows, 3.0) == "4 checks: 1 PASS, 1 FAIL, 2 SKIP, 0 INFO in 3 s"
 
 
-def test_compile_flag_is_found_where_a_recipe_offers_one() -> None:
-    assert gpu_check.compile_flag({"--model.compile", "--model.norm"}) == ["--model.compile", "true"]
-    assert gpu_check.compile_flag({"--model.norm"}) is None
+def test_the_compiled_lm_row_asks_for_compile_in_a_run_folder_of_its_own(tmp_path: Path) -> None:
+    plain, _ = gpu_check.recipe_command("recipes/lm.py", "bf16-mixed", "cuda", 1, None, tmp_path)
+    compiled, _ = gpu_check.recipe_command("recipes/lm.py", "bf16-mixed", "cuda", 1, None, tmp_path, compiled=True)
+    assert compiled[-2:] == ["--model.compile", "true"] and "--model.compile" not in plain
+    folder = compiled.index("--trainer.default_root_dir") + 1
+    assert compiled[folder] != plain[plain.index("--trainer.default_root_dir") + 1]
+    # an option the recipe's --help lacks fails the check instead of running something else
+    _, notes = gpu_check.recipe_command("recipes/lm.py", "bf16-mixed", "cuda", 1, None, tmp_path,
+                                        {"--trainer.precision"}, compiled=True)
+    assert any(note.startswith("its --help lacks") and "--model.compile" in note for note in notes)
 
 
 @pytest.mark.slow  # two recipe --help runs: ~10 s each
@@ -140,8 +147,9 @@ def test_every_recipe_flag_exists_in_the_recipes_help(script: str, tmp_path: Pat
         cmd, notes = gpu_check.recipe_command(script, "bf16-mixed", "cuda", devices, strategy, tmp_path, flags)
         assert not any(note.startswith("its --help lacks") for note in notes), notes
         assert cmd[cmd.index("--trainer.accelerator") + 1] == "gpu"
-    if script == "recipes/lm.py":  # the compiled LM row runs, not SKIPs
-        assert gpu_check.compile_flag(flags) == ["--model.compile", "true"]
+    if script == "recipes/lm.py":  # the compiled LM row's option too
+        _, notes = gpu_check.recipe_command(script, "bf16-mixed", "cuda", 1, None, tmp_path, flags, compiled=True)
+        assert not any(note.startswith("its --help lacks") for note in notes), notes
 
 
 @pytest.mark.slow
