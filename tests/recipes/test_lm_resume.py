@@ -254,3 +254,23 @@ def test_a_sharded_checkpoint_is_checked_by_its_metadata(tmp_path: Path) -> None
     notice = check_resume(str(sharded), torch.nn.Linear(1, 1), RESUME, {"--model.norm": "none", "--model.lr": 0.01})
     assert notice == (f"note: resuming {sharded} with options that differ from the checkpoint's, from its step on: "
                       "--model.lr 0.003 -> 0.01")
+
+
+def test_an_eager_checkpoint_resumes_compiled(uninterrupted: Path, tmp_path: Path, lm: LMRun) -> None:
+    """``--model.compile`` may change on resume: named in the notice, and the compiled steps continue the eager
+    run as the eager steps would (Inductor's rounding apart)."""
+    ckpt = _last(uninterrupted)
+    ends = {}
+    for compiled in ("false", "true"):
+        root = tmp_path / compiled
+        status, out = lm([*TINY, "--trainer.max_steps", "8", "--model.compile", compiled,
+                          "--trainer.default_root_dir", str(root), "--ckpt_path", str(ckpt)])
+        assert status == 0, out[-3000:]
+        assert "fit: 2 steps (6 -> 8) in" in out
+        assert ("torch.compile: 2 decoder layers (LlamaDecoderLayer), each in place" in out) == (compiled == "true")
+        ends[compiled] = final_weights(_last(root))
+    assert "--model.compile False -> True" in out, out[-3000:]
+    eager, compiled = ends["false"]["state_dict"], ends["true"]["state_dict"]
+    assert eager.keys() == compiled.keys() and ends["true"]["step"] == 8
+    for name, tensor in eager.items():
+        torch.testing.assert_close(compiled[name], tensor, rtol=1e-3, atol=1e-5, msg=name)
