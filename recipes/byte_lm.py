@@ -94,7 +94,6 @@ class ByteLM(pl.LightningModule):
             and ``config`` (which it excludes): a ``save_pretrained`` directory, or a hub name
             where the network allows (:mod:`recipes.pretrained_lm`); its tokenizer feeds the
             data (the recipe links ``--data.tokenizer`` to it).
-
         compile: ``torch.compile`` the decoder layers when the trainer sets the model up
             (:func:`recipes.lm_setup.compile_layers`: in place, weights' names unchanged; after
             FSDP2's sharding); the first steps then take longer while Inductor compiles.
@@ -421,4 +420,3 @@ class ByteLM(pl.LightningModule):
         # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
         schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
-
