@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -193,6 +194,18 @@ inline void flush(const float* buf, T* dst, int64_t n) {
 template <typename T>
 inline std::vector<float> scratch(int64_t n) {
   return std::vector<float>(std::is_same_v<T, float> ? 0 : n);
+}
+
+// The per-phasor gain (P,) spread over the channels (C,), for the row kernels' loops over channels.
+// Built on every call, so it must be cheap: no zero fill, and a loop over pairs, which the compiler
+// vectorises (it left a loop over channels reading w[c / 2] scalar: 1.5 of the 4.1 us of a
+// one-row forward of 4096 channels on an AMD EPYC).
+inline std::unique_ptr<float[]> per_channel(const float* w, int64_t C) {
+  if (!w) return nullptr;
+  std::unique_ptr<float[]> w2(new float[C]);
+  float* out = w2.get();
+  for (int64_t p = 0; p < C / 2; ++p) out[2 * p] = out[2 * p + 1] = w[p];
+  return w2;
 }
 
 // The weight (P,) as float32: the caller's pointer for float32, else converted into buf.

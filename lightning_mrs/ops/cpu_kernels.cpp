@@ -65,9 +65,7 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
   const int64_t blk = row_block<T>(C);
   const bool one_block = L == 1 && C <= blk;  // the buffer still holds the row in pass 2
   // the per-channel gain: the output pass runs over contiguous channels (no stride-2 stores)
-  std::vector<float> w2(kAffine ? C : 0);
-  if constexpr (kAffine)
-    for (int64_t c = 0; c < C; ++c) w2[c] = w[c / 2];
+  const std::unique_ptr<float[]> w2 = per_channel(kAffine ? w : nullptr, C);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     std::vector<float> xb = scratch<T>(kBlock), yb = scratch<T>(kBlock);
@@ -93,7 +91,7 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
         for (int64_t j0 = 0; j0 < C; j0 += blk) {
           const int64_t n = std::min(blk, C - j0);
           const float* xr = row_f32(x + (a * L + l) * C + j0, xb.data(), one_block ? 0 : n);
-          const float* wc = kAffine ? w2.data() + j0 : nullptr;
+          const float* wc = kAffine ? w2.get() + j0 : nullptr;
           T* yd = y + (a * L + l) * C + j0;
           if constexpr (std::is_same_v<T, bf16>) {  // rounded straight into the output: integer maths, in place
 #pragma omp simd

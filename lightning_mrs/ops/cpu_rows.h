@@ -26,12 +26,6 @@
 
 namespace mrs::simd {
 
-// The per-phasor gain (P,) spread over the channels (C,): every loop here runs over channels.
-inline std::vector<float> per_channel(const float* w, int64_t C) {
-  std::vector<float> w2(w ? C : 0);
-  for (int64_t c = 0; c < static_cast<int64_t>(w2.size()); ++c) w2[c] = w[c / 2];
-  return w2;
-}
 
 template <class V, typename T, bool kAffine>
 void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
@@ -39,8 +33,8 @@ void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t 
   constexpr int64_t N = V::kLanes;
   using R = typename V::R;
   const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
+  const std::unique_ptr<float[]> w2 = per_channel(kAffine ? w : nullptr, C);
+  const float* wc = w2.get();
   const R ve = V::set1(eps);
   // the magnitudes of the pairs of channels c .. c + 2N
   auto magnitudes = [&](const T* xr, int64_t c) {
@@ -88,8 +82,8 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
   constexpr int64_t N = V::kLanes;
   using R = typename V::R;
   const float n_pairs = static_cast<float>(C / 2) * static_cast<float>(L);
-  const std::vector<float> w2 = per_channel(kAffine ? w : nullptr, C);
-  const float* wc = w2.data();
+  const std::unique_ptr<float[]> w2 = per_channel(kAffine ? w : nullptr, C);
+  const float* wc = w2.get();
   DwBuffers dwb(kDw, nt, C);  // per-thread, per-channel rows: pairs are summed once, at the end
   const R ve = V::set1(eps);
 #pragma omp parallel num_threads(nt) if (nt > 1)
