@@ -26,7 +26,6 @@
 
 namespace mrs::simd {
 
-
 template <class V, typename T, bool kAffine>
 void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
               float eps, int nt) {
