@@ -4,12 +4,25 @@ compiled by Inductor (C++/OpenMP on the CPU, Triton on a GPU) on first use.
 All sizes are symbolic (``dynamic=True``): new batch sizes, widths and resolutions reuse the
 compiled code (sizes 0/1 and ``A*L % 8`` in the backward are the only specialisations);
 ``LIGHTNING_MRS_DYNAMIC=0`` specialises on the widths and resolutions (the batch stays
-dynamic). If compiling fails (no C++ compiler, an unsupported platform), one
-``RuntimeWarning`` is raised and the bodies run eagerly for the rest of the process.
+dynamic).
+
+Failures are never swallowed whole:
+
+* ``auto`` does not pick this backend where it cannot compile (no C++ compiler for CPU tensors,
+  no Triton for CUDA ones): :func:`unavailable` says why.
+* A toolchain failure while compiling (a broken or missing compiler: Inductor's
+  ``InvalidCxxCompiler``, ``CppCompileError``, ``CUDACompileError``) is a property of the machine,
+  so one ``RuntimeWarning`` names it and the bodies run eagerly for the rest of the process.
+* A body that reaches Dynamo's variant limit runs its new variants eagerly (one warning per body);
+  the compiled variants stay in use.
+* Out of memory, and any other failure, is raised (with the way out: ``backend="torch"``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
 import os
 import threading
 import warnings
@@ -18,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_mrs.ops import torch_kernels
+from lightning_mrs.ops import cpp_build, torch_kernels
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
 __all__ = ["NAME", "backward", "compile_failed", "forward", "unavailable"]
@@ -30,6 +43,9 @@ _LOCK = threading.Lock()
 _FAILED: list[str] = []  # the first compile error, if any (then everything runs eagerly)
 _RECOMPILE_LIMIT = 64  # compiled variants per body (dtype x memory layout; sizes are dynamic)
 _LIMITED: set[str] = set()  # bodies that reached the limit (warned once each)
+_TOOLCHAIN_ERRORS = ("InvalidCxxCompiler", "CppCompileError", "CUDACompileError")
+# torch.compile's own per-function limit is newer than some torch releases the package installs on
+_HAS_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def _dynamic() -> bool:
@@ -41,13 +57,36 @@ def compile_failed() -> Optional[str]:
     return _FAILED[0] if _FAILED else None
 
 
+@functools.cache
+def _toolchain(device_type: str) -> Optional[str]:
+    """Why Inductor cannot compile for ``device_type`` on this machine, or ``None``."""
+    if device_type == "cuda":
+        return None if importlib.util.find_spec("triton") else "Triton is not installed (pip install triton)"
+    return None if cpp_build.compiler() else "no C++ compiler found (install g++ or set CXX)"
+
+
+def _toolchain_error(err: BaseException) -> Optional[BaseException]:
+    """The compiler failure inside ``err`` (Dynamo wraps it in ``BackendCompilerFailed``), or ``None``."""
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if type(e).__name__ in _TOOLCHAIN_ERRORS:
+            return e
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+    return None
+
+
 def _disable(err: BaseException) -> None:
     if not _FAILED:
         _FAILED.append(f"{type(err).__name__}: {err}")
         warnings.warn(
-            "lightning_mrs: compiling the fused MRSNorm kernels failed, so their plain torch bodies run "
-            f"eagerly for the rest of this process (same results, slower): {_FAILED[0][:300]}. If the error "
-            "is about a C++ compiler, install one (g++); backend='eager' avoids compiling altogether.",
+            "lightning_mrs: the C++/GPU compiler failed while compiling the fused MRSNorm kernels, so their "
+            f"plain torch bodies run eagerly for the rest of this process (same results, slower): {_FAILED[0][:300]}. "
+            "Fix or install the compiler (g++; CXX=...), or pass backend='torch' to avoid compiling altogether.",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -60,7 +99,8 @@ def _compiled(name: str) -> Callable:
             fn = _COMPILED.get(name)
             if fn is None:
                 body = torch_kernels.BODIES[name]
-                fn = torch.compile(body, fullgraph=True, dynamic=_dynamic(), recompile_limit=_RECOMPILE_LIMIT)
+                limit = {"recompile_limit": _RECOMPILE_LIMIT} if _HAS_RECOMPILE_LIMIT else {}
+                fn = torch.compile(body, fullgraph=True, dynamic=_dynamic(), **limit)
                 _COMPILED[name] = fn
     return fn
 
@@ -76,12 +116,20 @@ def _run(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
         return fn(*args)
-    except Exception as err:  # no C++ compiler, unsupported platform, Inductor bug
+    except (torch.OutOfMemoryError, MemoryError):
+        raise  # never a reason to change path: the eager body needs as much memory
+    except Exception as err:
         out = torch_kernels.BODIES[name](*args)  # a genuine input error re-raises here, untouched
         if type(err).__name__ == "FailOnRecompileLimitHit":  # this body, new variants only
             _warn_limit(name)
+        elif (toolchain := _toolchain_error(err)) is not None:
+            _disable(toolchain)
         else:
-            _disable(err)
+            raise RuntimeError(
+                f"lightning_mrs: the compiled MRSNorm body {name!r} (backend 'inductor') failed: "
+                f"{type(err).__name__}: {str(err)[:300]}. Its plain torch body runs this input fine: pass "
+                "backend='torch' (or set norm.backend = 'torch') to avoid compiling, and please report the error."
+            ) from err
         return out
 
 
@@ -103,6 +151,8 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     Inductor compiles for)."""
     if key.device_type not in ("cpu", "cuda"):
         return f"Inductor does not compile for {key.device_type} tensors"
+    if (missing := _toolchain(key.device_type)) is not None:
+        return missing
     if explicit:
         return None
     if key.dtype not in _COMPILE_DTYPES:

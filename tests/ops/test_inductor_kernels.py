@@ -64,15 +64,25 @@ def test_the_recompile_limit_falls_back_for_new_variants_only(
     assert_matches_reference(second, x16, w16, gy16, -1, False)
 
 
-def test_compile_failure_falls_back_to_eager_with_one_warning(
+class _CxxFailed(Exception):
+    """Stands for Inductor's CppCompileError (matched by name, as the backend does)."""
+
+
+_CxxFailed.__name__ = "CppCompileError"
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_one_warning(
     fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*args: object) -> None:
-        raise RuntimeError("no C++ compiler found (simulated)")
+        try:
+            raise _CxxFailed("g++: internal compiler error (simulated)")
+        except _CxxFailed as inner:  # Dynamo wraps the compiler's error
+            raise RuntimeError("backend='inductor' raised: CppCompileError") from inner
 
     monkeypatch.setattr(inductor_kernels, "_compiled", lambda name: broken)
     x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
-    with pytest.warns(RuntimeWarning, match="their plain torch bodies run eagerly for the rest of this process"):
+    with pytest.warns(RuntimeWarning, match="compiler failed while compiling"):
         got = grads(forced("inductor"), x, w, gy)
     assert "simulated" in inductor_kernels.compile_failed()
     assert_matches_reference(got, x, w, gy, -1, False)  # the eager bodies took over
@@ -84,6 +94,48 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(
     monkeypatch.setenv("LIGHTNING_MRS_COMPILE_MIN_NUMEL", "64")
     dispatch.clear_cache()
     assert which_backend(torch.randn(2, 64, 4, 4), channel_dim=1) == "torch"
+
+
+def test_other_compiled_failures_are_raised_not_swallowed(
+    fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise AssertionError("an Inductor lowering bug (simulated)")
+
+    monkeypatch.setattr(inductor_kernels, "_compiled", lambda name: broken)
+    x, w, gy = make_inputs((5, 7, 64), -1, None, torch.float32)
+    with pytest.raises(RuntimeError, match=r"'fwd_last' \(backend 'inductor'\) failed: AssertionError.*backend='torch'"):
+        grads(forced("inductor"), x, w, gy)
+    assert inductor_kernels.compile_failed() is None  # the next call tries the compiled body again
+
+
+def test_out_of_memory_is_raised_as_it_is(fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    eager_calls = []
+
+    def out_of_memory(*args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(inductor_kernels, "_compiled", lambda name: out_of_memory)
+    monkeypatch.setitem(torch_kernels.BODIES, "fwd_last", lambda *a: eager_calls.append(a))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        inductor_kernels.forward(torch.randn(4, 1, 8), None, 1e-6, Layout(last=True, spatial=False))
+    assert eager_calls == [] and inductor_kernels.compile_failed() is None
+
+
+def test_auto_skips_inductor_without_a_compiler(fresh_compile_state: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inductor_kernels.cpp_build, "compiler", lambda: None)
+    inductor_kernels._toolchain.cache_clear()
+    try:
+        monkeypatch.setenv("LIGHTNING_MRS_COMPILE_MIN_NUMEL", "64")
+        monkeypatch.setenv("LIGHTNING_MRS_CPU_KERNELS", "0")
+        dispatch.clear_cache()
+        x = torch.randn(2, 64, 4, 4)
+        assert which_backend(x, channel_dim=1) == "torch"
+        with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+            mrs_norm(x, backend="inductor")
+    finally:
+        inductor_kernels._toolchain.cache_clear()
+        dispatch.clear_cache()
 
 
 def test_input_errors_are_not_swallowed_by_the_fallback(fresh_compile_state: None) -> None:
