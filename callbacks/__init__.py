@@ -1,6 +1,11 @@
 """Lightning callbacks of lightning-mrs: ``NormSwap``, ``GradientHomogeneityMonitor``, ``AttentionMonitor`` and
 ``OutlierMonitor``."""
 
+import importlib.util
+
+if importlib.util.find_spec("lightning") is None:  # the core needs only torch; the callbacks are an extra
+    raise ImportError("lightning_mrs.callbacks needs Lightning: pip install 'lightning-mrs[callbacks]'")
+
 from lightning_mrs.callbacks.attention import AttentionMonitor
 from lightning_mrs.callbacks.homogeneity import GradientHomogeneityMonitor
 from lightning_mrs.callbacks.norm_swap import NormSwap

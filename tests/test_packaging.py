@@ -6,12 +6,17 @@ script runs; lightning-mrs must not install anything named ``callbacks`` at top 
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import os
+import re
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+from packaging.requirements import Requirement
 
 from helpers import ROOT
 
@@ -75,3 +80,84 @@ def test_the_editable_install_imports_beside_a_users_callbacks_module(tmp_path: 
     proc = _probe(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Path(proc.stdout.strip()) == ROOT / "callbacks" / "__init__.py"
+
+
+def _installed_closure(name: str) -> list[md.Distribution]:
+    """``name``'s distribution and every one it requires (extras included, as pip resolves them)."""
+    found: dict[str, md.Distribution] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(name, frozenset())]
+    while todo:
+        dist_name, extras = todo.pop()
+        key = re.sub(r"[-_.]+", "-", dist_name).lower()
+        try:
+            dist = md.distribution(dist_name)
+        except md.PackageNotFoundError:
+            continue  # a requirement pip skips here too (another platform); the install below says if not
+        if key in found and not extras:
+            continue
+        found[key] = dist
+        for text in dist.requires or ():
+            req = Requirement(text)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append((req.name, frozenset(req.extras)))
+    return list(found.values())
+
+
+def test_the_bare_wheel_installs_beside_a_users_torch_and_pulls_in_nothing(wheel: Path, tmp_path: Path) -> None:
+    # the user's environment: a fresh venv that already has this torch (its files linked in, not copied)
+    farm = tmp_path / "users-torch"
+    farm.mkdir()
+    for dist in _installed_closure("torch"):
+        for top in {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}:
+            if not (farm / top).exists():
+                (farm / top).symlink_to(dist.locate_file(top))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "users-torch.pth").write_text(f"{farm}\n")
+    # no index and no configured wheel folders: a requirement beyond torch's would fail the install
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+                           "--find-links", str(wheel.parent), "lightning-mrs"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.findall(r"Successfully installed (.*)", proc.stdout) == [f"lightning-mrs-{wheel.name.split('-')[1]}"]
+    use = (
+        "import torch\n"
+        "from lightning_mrs import MRSNorm, mrs_norm, swap_norms\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))\n"
+        "swap_norms(model, 'mrs')\n"
+        "x = torch.randn(3, 4)\n"
+        "h = model[0](x)\n"
+        "assert type(model[1]) is MRSNorm and torch.allclose(model(x), mrs_norm(h, eps=model[1].eps), atol=1e-6)\n"
+        "try:\n"
+        "    import lightning_mrs.callbacks\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+        "print(torch.__version__)\n"
+    )
+    proc = subprocess.run([str(python), "-c", use], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "lightning_mrs.callbacks needs Lightning: pip install 'lightning-mrs[callbacks]'",
+        torch.__version__,  # the user's torch, untouched
+    ]
+
+
+@pytest.mark.parametrize(("missing", "module", "extra"), [
+    ("lightning", "lightning_mrs.callbacks", "'lightning-mrs[callbacks]'"),
+    ("timm", "recipes", "'.[recipes]'"),
+])
+def test_a_missing_extra_is_named_in_one_line(missing: str, module: str, extra: str, tmp_path: Path) -> None:
+    # a fresh process where `missing` cannot be found (as in an environment without the extra)
+    code = (
+        "import importlib.util, sys\n"
+        "find = importlib.util.find_spec\n"
+        f"importlib.util.find_spec = lambda name, *a: None if name == {missing!r} else find(name, *a)\n"
+        f"import {module}\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("ImportError: ") and missing in last and extra in last, proc.stderr

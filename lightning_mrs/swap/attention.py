@@ -56,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -118,11 +119,16 @@ def _load_builtins() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from lightning_mrs.swap import attention_torchvision as tv
+    from lightning_mrs.swap.attention_mha import QKMultiheadAttention
 
-    _REPLACEMENTS.update(tv.REPLACEMENTS)
-    for qk_cls in tv.REPLACEMENTS.values():
-        _ATTENTION_CLASSES.setdefault(qk_cls, _Entry(cosine=qk_cls is tv.QKShiftedWindowAttentionV2))
+    _REPLACEMENTS[nn.MultiheadAttention] = QKMultiheadAttention
+    _ATTENTION_CLASSES.setdefault(QKMultiheadAttention, _Entry())
+    if importlib.util.find_spec("torchvision") is not None:  # optional: a language-model user may not have it
+        from lightning_mrs.swap import attention_torchvision as tv
+
+        _REPLACEMENTS.update(tv.REPLACEMENTS)
+        for qk_cls in tv.REPLACEMENTS.values():
+            _ATTENTION_CLASSES.setdefault(qk_cls, _Entry(cosine=qk_cls is tv.QKShiftedWindowAttentionV2))
     timm_classes = {
         "timm.layers.attention": ("Attention", "AttentionRope"),
         "timm.layers.attention_pool": ("AttentionPoolLatent",),
