@@ -22,6 +22,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+from scipy import stats
+
 __all__ = ["ratio_interval", "round_orders", "time_steps"]
 
 
@@ -41,7 +44,11 @@ def time_steps(step: Callable[[str], None], names: Sequence[str], rounds: int, s
     """Seconds per ``step(name)`` for every name: ``warmup`` untimed calls each (allocator,
     first-call compiles), then ``rounds`` rounds in :func:`round_orders`, each the mean of
     ``steps`` calls, timed by ``clock`` (``time.process_time``: the process's CPU time, which
-    other jobs on a shared machine do not inflate)."""
+    other jobs on a shared machine do not inflate).
+
+    Not ``torch.utils.benchmark.Timer``: its ``timeit`` runs untimed warm-up calls of the row right
+    before timing it and sets torch's thread count (1 by default), so the row would no longer pay for
+    what its neighbour left behind, which the random orders exist to spread over every row alike."""
     for name in names:
         for _ in range(warmup):
             step(name)
@@ -59,7 +66,8 @@ def time_steps(step: Callable[[str], None], names: Sequence[str], rounds: int, s
 def ratio_interval(times: Sequence[float], base: Sequence[float], level: float = 0.95,
                    resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """The median of the per-round ratios ``times[i] / base[i]`` and a percentile-bootstrap
-    interval of that median at ``level`` (``resamples`` resamples of the rounds, seeded).
+    interval of that median at ``level`` (``scipy.stats.bootstrap``: ``resamples`` resamples of the
+    rounds, seeded).
 
     The rounds of :func:`time_steps` are paired: noise that slows a whole round slows both rows,
     so the per-round ratio is steadier than the ratio of the two medians.
@@ -73,9 +81,9 @@ def ratio_interval(times: Sequence[float], base: Sequence[float], level: float =
     if not 0.0 < level < 1.0:
         raise ValueError(f"ratio_interval: level must be in (0, 1), got {level}")
     ratios = [t / b for t, b in zip(times, base)]
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    tail = (1.0 - level) / 2.0
-    lo = meds[int(tail * (resamples - 1))]
-    hi = meds[int(round((1.0 - tail) * (resamples - 1)))]
-    return statistics.median(ratios), lo, hi
+    median = statistics.median(ratios)
+    if len(set(ratios)) < 2:  # no spread: nothing to resample (scipy needs two distinct values)
+        return median, median, median
+    ci = stats.bootstrap((np.asarray(ratios),), np.median, confidence_level=level, n_resamples=resamples,
+                         method="percentile", rng=np.random.default_rng(seed)).confidence_interval
+    return median, float(ci.low), float(ci.high)

@@ -1,16 +1,16 @@
 """The lock a running sweep holds on its shard of ``--out``: a second sweep into an overlapping shard refuses.
 
-Each sweep holds an ``fcntl`` lock on ``<out>/.locks/shard-K-of-N`` (holding its process id, host and
-start time) for as long as it runs. Before running it checks every other shard's lock file: one still
-locked by a live process whose shard overlaps its own (``K = K' mod gcd(N, N')``) makes it refuse,
-naming that process. The operating system drops the lock when a process dies however it dies, so
-a lock file left unlocked (its process was killed) is stale: it is reported and taken over.
+Each sweep holds a :class:`filelock.FileLock` on ``<out>/.locks/shard-K-of-N.lock`` for as long as it
+runs, and writes who holds it (process id, host, start time) to ``<out>/.locks/shard-K-of-N``. Before
+running it checks every other shard: one still locked by a live process whose shard overlaps its own
+(``K = K' mod gcd(N, N')``) makes it refuse, naming that process. The operating system drops the lock
+when a process dies however it dies, so a lock left unlocked (its process was killed) is stale: it is
+reported and taken over.
 Shards that do not overlap (``--shard 0/2`` and ``1/2``) run side by side into one ``--out``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -18,7 +18,9 @@ import socket
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Optional
+from typing import Optional
+
+from filelock import FileLock, Timeout
 
 from recipes.errors import UsageError
 
@@ -41,6 +43,11 @@ def _who(info: dict) -> str:
     return f"process {info.get('pid', '?')} on {info.get('host', '?')}, started {since}"
 
 
+def _lock(info: Path) -> FileLock:
+    """The lock beside the holder file ``info`` (taken without waiting)."""
+    return FileLock(info.with_name(info.name + ".lock"), timeout=0)
+
+
 class OutLock:
     """Hold the lock of shard ``k/n`` of ``out`` (a context manager); :attr:`stale` lists locks taken over."""
 
@@ -48,42 +55,39 @@ class OutLock:
         self.out, self.shard = out, (k, n)
         self.path = out / ".locks" / f"shard-{k}-of-{n}"
         self.stale: list[str] = []
-        self._file: Optional[IO[str]] = None
+        self._lock: Optional[FileLock] = None
 
     def __enter__(self) -> "OutLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        previous = _holder(self.path) if self.path.exists() else {}
-        f = open(self.path, "a+")
+        lock = _lock(self.path)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
+            lock.acquire()
+        except Timeout:
             self._refuse(self.path)
-        self._file = f
+        self._lock = lock
+        previous = _holder(self.path) if self.path.exists() else {}
         if previous:
             self.stale.append(_who(previous))
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                            "shard": f"{self.shard[0]}/{self.shard[1]}"}))
-        f.flush()
+        self.path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                         "shard": f"{self.shard[0]}/{self.shard[1]}"}))
         for other in sorted(self.path.parent.glob("shard-*-of-*")):
-            if other == self.path:
+            if other == self.path or other.suffix == ".lock":
                 continue
             _, k, _, n = other.name.split("-")
             if not _overlap(self.shard, (int(k), int(n))):
                 continue
-            with open(other, "a+") as g:
-                try:
-                    fcntl.flock(g, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    self.__exit__(None, None, None)
-                    self._refuse(other)
-                info = _holder(other)
-                if info:
-                    self.stale.append(_who(info))
-                other.unlink()  # stale: its process is gone
-                fcntl.flock(g, fcntl.LOCK_UN)
+            theirs = _lock(other)
+            try:
+                theirs.acquire()
+            except Timeout:
+                self.__exit__(None, None, None)
+                self._refuse(other)
+            info = _holder(other)
+            if info:
+                self.stale.append(_who(info))
+            other.unlink()  # stale: its process is gone
+            Path(theirs.lock_file).unlink(missing_ok=True)
+            theirs.release()
         return self
 
     def _refuse(self, path: Path) -> None:
@@ -93,11 +97,8 @@ class OutLock:
                          "(shards that do not overlap may share one --out).")
 
     def __exit__(self, kind: Optional[type], err: Optional[BaseException], tb: Optional[TracebackType]) -> None:
-        if self._file is not None:
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
-            self._file = None
+        if self._lock is not None:
+            self.path.unlink(missing_ok=True)
+            Path(self._lock.lock_file).unlink(missing_ok=True)  # removed while still held: no other sweep sees a gap
+            self._lock.release()
+            self._lock = None

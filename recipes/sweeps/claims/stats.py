@@ -2,9 +2,9 @@
 
 Every interval is two-sided at ``level`` and computed from per-seed values:
 
-* :func:`mean_interval`: Student's t interval of one mean;
+* :func:`mean_interval`: Student's t interval of one mean (``scipy.stats.ttest_1samp``);
 * :func:`welch_interval`: Welch's t interval of ``mean(a) - scale * mean(b)`` (unequal
-  variances, Welch-Satterthwaite degrees of freedom);
+  variances, Welch-Satterthwaite degrees of freedom: ``scipy.stats.ttest_ind(equal_var=False)``);
 * :func:`variance_ratio_interval`: the F interval of ``var(a) / var(b)`` (normal samples).
 
 When the seeds agree exactly (spread 0, e.g. every seed diverged and counts as chance) the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
@@ -70,27 +71,31 @@ def _t(level: float, df: float) -> float:
 
 
 def mean_interval(values: Sequence[float], level: float = 0.95) -> Interval:
-    """Student's t interval of the mean of ``values`` (at least two)."""
+    """Student's t interval of the mean of ``values`` (at least two): scipy's ``ttest_1samp`` interval."""
     _check(values, "mean_interval")
-    mean, sd, n = mean_sd(values)
-    half = _t(level, n - 1) * sd / math.sqrt(n) if sd > 0 else 0.0
-    return Interval(mean, mean - half, mean + half, level)
+    mean, sd, _ = mean_sd(values)
+    if sd == 0:  # scipy gives NaN; the seeds agree, so the interval is the point
+        return Interval(mean, mean, mean, level)
+    with warnings.catch_warnings():  # its statistic's precision warning on near-equal seeds: not the interval's
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = _scipy_stats.ttest_1samp(values, 0.0).confidence_interval(level)
+    return Interval(mean, float(ci.low), float(ci.high), level)
 
 
 def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95, scale: float = 1.0) -> Interval:
-    """Welch's t interval of ``mean(a) - scale * mean(b)`` (each side at least two values)."""
+    """Welch's t interval of ``mean(a) - scale * mean(b)`` (each side at least two values): scipy's
+    ``ttest_ind(equal_var=False)`` interval of ``a`` against ``scale * b``."""
     _check(a, "welch_interval a")
     _check(b, "welch_interval b")
-    mean_a, sd_a, n_a = mean_sd(a)
-    mean_b, sd_b, n_b = mean_sd(b)
-    va, vb = sd_a**2 / n_a, (scale * sd_b) ** 2 / n_b  # squared standard errors of the two terms
-    estimate = mean_a - scale * mean_b
-    se2 = va + vb
-    if se2 == 0:
+    scaled = [scale * v for v in b]
+    (mean_a, sd_a, _), (mean_b, sd_b, _) = mean_sd(a), mean_sd(scaled)
+    estimate = mean_a - mean_b
+    if sd_a == 0 and sd_b == 0:  # scipy gives NaN; the seeds agree, so the interval is the point
         return Interval(estimate, estimate, estimate, level)
-    df = se2**2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))  # Welch-Satterthwaite
-    half = _t(level, df) * math.sqrt(se2)
-    return Interval(estimate, estimate - half, estimate + half, level)
+    with warnings.catch_warnings():  # as in mean_interval
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ci = _scipy_stats.ttest_ind(a, scaled, equal_var=False).confidence_interval(level)
+    return Interval(estimate, float(ci.low), float(ci.high), level)
 
 
 def variance_ratio_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Interval:
