@@ -30,8 +30,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mrs.swap.hf_record import GUARD, RECORD_KEY
-from lightning_mrs.swap.spec import rebuild
+from lightning_mrs.swap.hf_record import RECORD_KEY, is_guard
+from lightning_mrs.swap.modeling_lightning_mrs import PREFIX, swapped_class
 
 __all__ = ["from_pretrained"]
 
@@ -52,7 +52,7 @@ def _model_class(transformers: Any, config: Any, auto_class: Optional[type]) -> 
     if auto_class is not None:
         return auto_class._model_mapping[type(config)] if hasattr(auto_class, "_model_mapping") else auto_class
     for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name, None)
+        cls = getattr(transformers, name.removeprefix(PREFIX), None)  # a swapped class saves as LightningMRS<Base>
         if isinstance(cls, type) and issubclass(cls, nn.Module):
             return cls
     return transformers.AutoModelForCausalLM._model_mapping[type(config)]
@@ -82,29 +82,22 @@ def from_pretrained(pretrained_model_name_or_path: str, *, auto_class: Optional[
         config_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         config = transformers.AutoConfig.from_pretrained(pretrained_model_name_or_path, **config_kwargs)
     record = getattr(config, RECORD_KEY, None)
-    if getattr(config, "_attn_implementation", None) == GUARD:  # read from config.json as the attention to use
+    if is_guard(getattr(config, "_attn_implementation", None)):  # read from config.json as the attention to use
         config._attn_implementation = None
     if kwargs.get("attn_implementation") is not None:
         config._attn_implementation = kwargs.pop("attn_implementation")
     base = _model_class(transformers, config, auto_class)
     if not isinstance(record, dict):
         return base.from_pretrained(pretrained_model_name_or_path, config=config, **kwargs)
-    layers = {name: {k: v for k, v in entry.items() if k != "plain"} for name, entry in (record.get("layers") or {}).items()}
     if record.get("format") != 1:
         raise ValueError(f"{pretrained_model_name_or_path}: config.json's {RECORD_KEY} record has format "
                          f"{record.get('format')!r}; this lightning-mrs reads format 1 (upgrade lightning-mrs)")
 
-    def __init__(self: nn.Module, config: Any, *args: Any, **kw: Any) -> None:
-        base.__init__(self, config, *args, **kw)
-        rebuild(self, None, layers)  # the recorded layers, built on the device the weights load to
-
-    # a subclass for the build only: its __init__ swaps the freshly built model before transformers loads the weights
-    building = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
-                                             "__qualname__": base.__qualname__})
+    # the swapped class: its __init__ re-applies the record to the freshly built model before the weights load
+    building = swapped_class(base)
     kwargs["ignore_mismatched_sizes"] = True  # transformers reports them to us; the check below refuses any
     model, info = building.from_pretrained(pretrained_model_name_or_path, config=config, output_loading_info=True,
                                            **kwargs)
-    model.__class__ = base
     problems = [f"missing {sorted(info['missing_keys'])[:5]}" if info["missing_keys"] else "",
                 f"unexpected {sorted(info['unexpected_keys'])[:5]}" if info["unexpected_keys"] else "",
                 f"mismatched {sorted(k for k, *_ in info['mismatched_keys'])[:5]}" if info["mismatched_keys"] else "",

@@ -24,7 +24,7 @@ transformers model) and ``qk_hooks.py`` applies the QK-norms to the projections'
 """
 
 from lightning_mrs.swap.attention import AttentionInfo, expose_attention, iter_attention_layers, register_attention
-from lightning_mrs.swap.engine import swap_norms
+from lightning_mrs.swap.api import swap_norms
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.options import QK_NORMS, SWAP_TARGETS, Selector, SwapOptions
 from lightning_mrs.swap.registry import NORM_KINDS, NormSpec, iter_norm_layers, norm_spec, register_norm

@@ -15,8 +15,12 @@ transformers model therefore writes (:func:`record_in_configs`):
 * ``config.attn_implementation = GUARD`` when any layer is not plain. transformers reads this
   key of ``config.json`` as the attention implementation to use and refuses an unknown one, so a
   plain ``AutoModelForCausalLM.from_pretrained`` of such a directory raises ``ValueError``
-  (naming lightning_mrs) instead of building another model; ``AutoConfig`` and tokenizers still
-  load. In memory the attribute is inert: the model's attention is untouched.
+  (naming lightning_mrs and ``trust_remote_code=True``) instead of building another model;
+  ``AutoConfig`` and tokenizers still load. In memory the attribute is inert: the model's
+  attention is untouched. The public ``swap_norms`` then makes such a model a custom architecture
+  (:mod:`lightning_mrs.swap.modeling_lightning_mrs`) whose code ``save_pretrained`` writes beside
+  the weights, with ``config.auto_map`` naming it, so that transformers loads the directory by
+  itself with ``trust_remote_code=True``.
 
 :func:`lightning_mrs.from_pretrained` reads the record, removes the guard, swaps the freshly built
 model before its weights load, and loads them strictly. Which layers are plain is decided by
@@ -45,13 +49,20 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
 from lightning_mrs.version import __version__
 
-__all__ = ["GUARD", "RECORD_KEY", "hf_roots", "loads_as_saved", "record_in_configs", "swap_record"]
+__all__ = ["GUARD", "RECORD_KEY", "hf_roots", "is_guard", "loads_as_saved", "record_in_configs", "swap_record"]
 
 RECORD_KEY = "lightning_mrs"
 #: the value of ``attn_implementation`` in a swapped model's ``config.json``: an implementation
-#: transformers does not know, so that only lightning_mrs.from_pretrained loads the directory
-GUARD = "lightning_mrs (norms swapped by lightning-mrs: load with lightning_mrs.from_pretrained)"
+#: transformers does not know, so that a plain load (no ``trust_remote_code``) fails, naming both ways in
+GUARD = ("lightning_mrs (norms swapped by lightning-mrs: load with lightning_mrs.from_pretrained, or with "
+         "trust_remote_code=True to run the saved modeling_lightning_mrs.py)")
+_GUARD_START = "lightning_mrs (norms swapped by lightning-mrs"  # every release's guard starts so
 _FORMAT = 1
+
+
+def is_guard(value: Any) -> bool:
+    """Whether ``value`` (a config's ``attn_implementation``) is the guard of any lightning-mrs release."""
+    return isinstance(value, str) and value.startswith(_GUARD_START)
 
 
 def hf_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
