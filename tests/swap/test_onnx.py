@@ -16,6 +16,8 @@ two runtimes round the convolutions' float16 accumulations differently).
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 from typing import Optional
 
 import pytest
@@ -122,3 +124,43 @@ def test_onnx_export_dynamic_batch_and_float16() -> None:
     (out,) = export_and_run(half, x.half(), [x.half()])
     with torch.no_grad():
         torch.testing.assert_close(out, half(x.half()), **TOL[torch.float16])
+
+
+@pytest.mark.slow
+def test_onnx_export_llama_dynamic_batch_and_length() -> None:
+    """One export of the swapped Llama serves other batch sizes and sequence lengths."""
+    model, ids = _llama()
+    _swap(model, "llama")
+    dims = {0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("seq", min=2, max=32)}
+    inputs = [ids, torch.randint(3, 64, (3, 13))]
+    for inp, out in zip(inputs, export_and_run(model, ids, inputs, dynamic_shapes=(dims,))):
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(inp), **TOL[torch.float32])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,options", [("rms", {}), ("layer", {}), ("mrs", dict(spatial=False))])
+def test_onnx_export_baselines_and_per_position(target: str, options: dict) -> None:
+    """The baselines' 2-d layers (RMSNorm2d, LayerNorm2d) and MRSNorm2d with one S per position."""
+    model, x = _cnn()
+    report = lm.swap_norms(model, target, **options)
+    assert report.converted and not report.skipped
+    (out,) = export_and_run(model, x, [x])
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **TOL[torch.float32])
+
+
+def test_onnx_legacy_exporter() -> None:
+    """The TorchScript-based exporter (``dynamo=False``, deprecated by torch) traces the plain
+    formula too (``torch.jit`` tracing takes the reference path of the op)."""
+    model, x = _cnn()
+    _swap(model, "cnn")
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the modules' shape checks warn while traced (harmless), and
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # torch warns that this exporter is legacy
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (x,), buffer, dynamo=False)
+    session = ort.InferenceSession(buffer.getvalue(), providers=["CPUExecutionProvider"])
+    out = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), **TOL[torch.float32])
