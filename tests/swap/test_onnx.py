@@ -164,3 +164,21 @@ def test_onnx_legacy_exporter() -> None:
     out = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
     with torch.no_grad():
         torch.testing.assert_close(out, model(x), **TOL[torch.float32])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_onnx_export_hf_families_sdpa(family: str) -> None:
+    """transformers' default attention (sdpa) and the families with QK-norms of their own (Qwen3,
+    Gemma 3: swapped, not added; Gemma's ``1 + w`` norms) export too."""
+    import transformers
+    from helpers.hf import tiny_config, token_batch
+
+    model = _Logits(transformers.AutoModelForCausalLM.from_config(tiny_config(family, use_cache=False))).eval()
+    assert model.lm.config._attn_implementation == "sdpa"
+    report = lm.swap_norms(model, "mrs", qk_norm="mrs")
+    assert report.converted and not report.skipped
+    ids = token_batch()
+    (out,) = export_and_run(model, ids, [ids])
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids), **TOL[torch.float32])
