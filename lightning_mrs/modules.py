@@ -5,10 +5,16 @@ Exportable three ways: ``torch.export`` and ``torch.jit.trace`` record the refer
 forward that calls it directly (TorchScript cannot compile the argument checks or the
 kernels' dispatch: a scripted model runs the plain formula, and a wrong input fails with
 torch's own shape error rather than the module's message).
+
+``torch.fx.symbolic_trace`` (and what is built on it: torchvision's and timm's
+``create_feature_extractor``, fx quantization) records each forward as one call of
+:func:`_mrs_norm_layer`, a function wrapped by ``torch.fx.wrap`` as timm wraps its own
+untraceable functions: the traced graph runs it unchanged, the shape check and the kernels
+included, and ``torch.jit.script`` of the traced graph compiles its reference-formula branch.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: fx copies ``forward``'s annotations into a traced
+# graph's code, where TorchScript must resolve them (a string "Tensor" it cannot)
 from typing import Optional
 
 import torch
@@ -18,6 +24,45 @@ from lightning_mrs.ops.mrs_norm import normalize
 from lightning_mrs.ops.reference import mrs_norm_reference
 
 __all__ = ["MRSNorm", "MRSNorm2d"]
+
+
+def _layer_repr(caller: str, eps: float, affine: bool, channel_dim: int, spatial: bool) -> str:
+    """The module's ``repr`` (``MRSNorm(8, eps=1e-06, affine=True)``) from ``caller`` (``MRSNorm(8)``)."""
+    more = f", spatial={spatial}" if channel_dim == 1 else ""
+    return f"{caller[:-1]}, eps={eps}, affine={affine}{more})"
+
+
+@torch.fx.wrap
+def _mrs_norm_layer(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool,
+                   num_channels: int, backend: str, caller: str) -> Tensor:
+    """The forward of :class:`MRSNorm` (``channel_dim=-1``) and :class:`MRSNorm2d` (``channel_dim=1``).
+
+    A module-level function wrapped by ``torch.fx.wrap`` (what timm's ``register_notrace_function``
+    and torchvision's ``roi_align`` do): ``torch.fx.symbolic_trace`` records one call of it instead
+    of tracing the shape check (Python control flow on ``x.shape``, which fx cannot trace), and the
+    traced ``GraphModule`` runs it as it is, the check and the kernels included. TorchScript
+    compiles only the first branch, the reference formula, so a scripted module or a scripted fx
+    graph runs the plain formula.
+
+    Raises:
+        ValueError: ``x`` does not hold ``num_channels`` channels on ``channel_dim``, naming the layer.
+    """
+    if torch.jit.is_scripting():  # TorchScript compiles only this branch: the reference formula
+        return mrs_norm_reference(x, weight, eps, x.ndim - 1 if channel_dim == -1 else channel_dim, spatial)
+    if channel_dim == -1:
+        if x.ndim == 0 or x.shape[-1] != num_channels:
+            raise ValueError(
+                f"{_layer_repr(caller, eps, weight is not None, channel_dim, spatial)}: expected the last dim "
+                f"to hold {num_channels} channels, got input of shape {tuple(x.shape)}. MRSNorm is "
+                "channels-last; use MRSNorm2d for (N, C, *spatial) tensors."
+            )
+    elif x.ndim < 2 or x.shape[1] != num_channels:
+        raise ValueError(
+            f"{_layer_repr(caller, eps, weight is not None, channel_dim, spatial)}: expected input of shape "
+            f"(N, {num_channels}, *spatial), got {tuple(x.shape)}. MRSNorm2d is channels-first; use MRSNorm "
+            "for channels-last tensors."
+        )
+    return normalize(x, weight, eps, channel_dim, spatial, backend, caller)
 
 
 class _MRSNormBase(nn.Module):
@@ -80,13 +125,7 @@ class MRSNorm(_MRSNormBase):
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # TorchScript compiles only this branch: the reference formula
             return mrs_norm_reference(x, self.weight, self.eps, x.ndim - 1, False)
-        if x.ndim == 0 or x.shape[-1] != self.num_channels:
-            raise ValueError(
-                f"{self}: expected the last dim to hold {self.num_channels} channels, got input "
-                f"of shape {tuple(x.shape)}. MRSNorm is channels-last; use MRSNorm2d for "
-                "(N, C, *spatial) tensors."
-            )
-        return normalize(x, self.weight, self.eps, -1, False, self.backend, self._caller)
+        return _mrs_norm_layer(x, self.weight, self.eps, -1, False, self.num_channels, self.backend, self._caller)
 
 
 class MRSNorm2d(_MRSNormBase):
@@ -118,13 +157,7 @@ class MRSNorm2d(_MRSNormBase):
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # TorchScript compiles only this branch: the reference formula
             return mrs_norm_reference(x, self.weight, self.eps, 1, self.spatial)
-        if x.ndim < 2 or x.shape[1] != self.num_channels:
-            raise ValueError(
-                f"{self}: expected input of shape (N, {self.num_channels}, *spatial), got "
-                f"{tuple(x.shape)}. MRSNorm2d is channels-first; use MRSNorm for channels-last "
-                "tensors."
-            )
-        return normalize(x, self.weight, self.eps, 1, self.spatial, self.backend, self._caller)
+        return _mrs_norm_layer(x, self.weight, self.eps, 1, self.spatial, self.num_channels, self.backend, self._caller)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spatial={self.spatial}"

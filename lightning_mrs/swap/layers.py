@@ -12,9 +12,13 @@
 
 These are plain ``nn.Module`` s (not ``nn.LayerNorm`` subclasses) so nobody mistakes them for
 channels-last layers.
-"""
 
-from __future__ import annotations
+Each norm's forward calls a module-level function wrapped by ``torch.fx.wrap``, as
+:class:`~lightning_mrs.MRSNorm` does (see :mod:`lightning_mrs.modules`): ``torch.fx`` records one
+call of it instead of tracing its Python control flow on the input's shape and dtype, and the
+function also compiles with ``torch.jit.script`` (the shape check is skipped there: a scripted
+layer gets torch's own shape error).
+"""
 
 from typing import Optional
 
@@ -27,8 +31,54 @@ from lightning_mrs.ops.validation import compute_dtype
 __all__ = ["LayerNorm2d", "NormAct", "OffsetRMSNorm", "RMSNorm2d"]
 
 
+def _check_channels_first(x: Tensor, num_channels: int, caller: str) -> None:
+    if x.ndim < 2 or x.shape[1] != num_channels:
+        raise ValueError(f"{caller}: expected (N, {num_channels}, *spatial), got shape {tuple(x.shape)}.")
+
+
+def _channel_affine(y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    shape = [-1] + [1] * (y.ndim - 2)  # (C, 1, ..., 1) broadcast over positions
+    if weight is not None:
+        y = y * weight.to(y.dtype).view(shape)
+    if bias is not None:
+        y = y + bias.to(y.dtype).view(shape)
+    return y
+
+
+@torch.fx.wrap
+def _layer_norm_2d(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, num_channels: int,
+                   caller: str) -> Tensor:
+    """:class:`LayerNorm2d`'s forward (one ``torch.fx`` node; scriptable without the check)."""
+    if not torch.jit.is_scripting():
+        _check_channels_first(x, num_channels, caller)
+    y = F.layer_norm(x.movedim(1, -1), [num_channels], None, None, eps)
+    return _channel_affine(y.movedim(-1, 1), weight, bias)  # (N, C, *spatial)
+
+
+@torch.fx.wrap
+def _rms_norm_2d(x: Tensor, weight: Optional[Tensor], eps: float, spatial: bool, num_channels: int,
+                 caller: str) -> Tensor:
+    """:class:`RMSNorm2d`'s forward (one ``torch.fx`` node; scriptable without the check)."""
+    if not torch.jit.is_scripting():
+        _check_channels_first(x, num_channels, caller)
+    xf = x.to(compute_dtype(x.dtype))
+    dims = list(range(1, x.ndim)) if spatial else [1]
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + eps)  # (N, C, *spatial)
+    return _channel_affine(y, weight, None).to(x.dtype)
+
+
+@torch.fx.wrap
+def _offset_rms_norm(x: Tensor, weight: Optional[Tensor], num_channels: int, eps: float, offset: float) -> Tensor:
+    """:class:`OffsetRMSNorm`'s forward (one ``torch.fx`` node: it branches on the input's dtype)."""
+    xf = x.to(compute_dtype(x.dtype))
+    y = F.rms_norm(xf, [num_channels], None, eps)  # (..., C)
+    if weight is not None:
+        y = y * (offset + weight.to(xf.dtype))
+    return y.to(x.dtype)
+
+
 class _ChannelsFirstNorm(nn.Module):
-    """Parameters, input check and affine step of the channels-first layers.
+    """Parameters and the name in error messages of the channels-first layers.
 
     Its constructor, defaults included, is :class:`LayerNorm2d`'s (which adds none of its own);
     :class:`RMSNorm2d` has no bias.
@@ -47,6 +97,7 @@ class _ChannelsFirstNorm(nn.Module):
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
+        self._caller = f"{type(self).__name__}({num_channels})"  # names the layer in error messages
         dd = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.ones(num_channels, **dd)) if affine else None
         self.bias = nn.Parameter(torch.zeros(num_channels, **dd)) if affine and bias else None
@@ -57,23 +108,8 @@ class _ChannelsFirstNorm(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def _check(self, x: Tensor) -> None:
-        if x.ndim < 2 or x.shape[1] != self.num_channels:
-            raise ValueError(
-                f"{type(self).__name__}({self.num_channels}): expected (N, {self.num_channels}, "
-                f"*spatial), got shape {tuple(x.shape)}."
-            )
-
     def extra_repr(self) -> str:
         return f"{self.num_channels}, eps={self.eps}, affine={self.affine}"
-
-    def _affine(self, y: Tensor) -> Tensor:
-        shape = (-1,) + (1,) * (y.ndim - 2)  # (C, 1, ..., 1) broadcast over positions
-        if self.weight is not None:
-            y = y * self.weight.to(y.dtype).view(shape)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype).view(shape)
-        return y
 
 
 class LayerNorm2d(_ChannelsFirstNorm):
@@ -85,9 +121,7 @@ class LayerNorm2d(_ChannelsFirstNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        y = F.layer_norm(x.movedim(1, -1), (self.num_channels,), None, None, self.eps)
-        return self._affine(y.movedim(-1, 1))  # (N, C, *spatial)
+        return _layer_norm_2d(x, self.weight, self.bias, self.eps, self.num_channels, self._caller)
 
 
 class RMSNorm2d(_ChannelsFirstNorm):
@@ -116,11 +150,7 @@ class RMSNorm2d(_ChannelsFirstNorm):
         self.spatial = spatial
 
     def forward(self, x: Tensor) -> Tensor:
-        self._check(x)
-        xf = x.to(compute_dtype(x.dtype))
-        dims = tuple(range(1, x.ndim)) if self.spatial else (1,)
-        y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + self.eps)  # (N, C, *spatial)
-        return self._affine(y).to(x.dtype)
+        return _rms_norm_2d(x, self.weight, self.eps, self.spatial, self.num_channels, self._caller)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, spatial={self.spatial}"
@@ -163,11 +193,7 @@ class OffsetRMSNorm(nn.Module):
             nn.init.zeros_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(compute_dtype(x.dtype))
-        y = F.rms_norm(xf, self.normalized_shape, None, self.eps)  # (..., C)
-        if self.weight is not None:
-            y = y * (self.offset + self.weight.to(xf.dtype))
-        return y.to(x.dtype)
+        return _offset_rms_norm(x, self.weight, self.normalized_shape[0], self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}, affine={self.weight is not None}, offset={self.offset:g}"
