@@ -15,7 +15,8 @@ The forward stores ``y`` and the per-position ``r_sum = P * S`` (float32, ``(A, 
 the backward recomputes ``r`` from ``x``, and, like Liger's, runs a few persistent programs
 per SM that each sum their part of ``dw`` in registers (one ``(programs, P)`` buffer, summed
 at the end). Every offset that is a stride times an index is computed in 64 bits. The
-``(P,)`` weight is read as it is and interleaved in registers.
+``(P,)`` weight is read as it is and interleaved in registers. A row wider than 65,536
+channels (more than a program holds in registers) runs the ``torch`` backend's bodies.
 
 Imports without triton (:func:`unavailable` then says so); tested on the CPU under
 ``TRITON_INTERPRET=1`` (``tests/ops/test_triton_interpret.py``).
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_mrs.ops import triton_launch as launch
+from lightning_mrs.ops import torch_kernels, triton_launch as launch
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
 try:
@@ -211,6 +212,12 @@ def _rows(t: Tensor) -> Optional[Tensor]:
     return t.flatten(0, 1) if t.stride(0) == t.shape[1] * t.stride(1) else None
 
 
+def _too_wide(x3: Tensor, layout: Layout) -> bool:
+    """A row wider than a program holds in registers (:data:`.triton_launch.MAX_CHANNELS`): it
+    runs the ``torch`` backend's bodies instead (several kernels, the same saved tensors)."""
+    return x3.shape[2 if layout.last else 1] > launch.MAX_CHANNELS
+
+
 def _sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -222,6 +229,8 @@ def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tupl
     ``w`` the per-phasor gain ``(P,)`` or ``None``; ``r_sum`` float32, one per position."""
     if triton is None:
         raise RuntimeError("lightning_mrs.ops.triton_kernels needs the triton package.")
+    if _too_wide(x3, layout):
+        return torch_kernels.forward(x3, w, eps, layout)
     if layout.last:
         y3 = torch.empty_like(x3)
         xr, yr = _rows(x3), _rows(y3)
@@ -240,6 +249,9 @@ def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: fl
     """``(dx3, dw)`` of :func:`forward` for the upstream gradient ``g3`` (``dw`` per phasor, float32)."""
     if triton is None:
         raise RuntimeError("lightning_mrs.ops.triton_kernels needs the triton package.")
+    if _too_wide(x3, layout):  # r_sum is the torch bodies' own (their forward ran)
+        dx3, dw = torch_kernels.backward(x3, w, r_sum, g3, eps, layout)
+        return dx3, (None if dw is None else dw.float())
     if layout.last:
         dx3 = torch.empty_like(x3)
         xr, gr, dr = _rows(x3), _rows(g3), _rows(dx3)

@@ -71,8 +71,8 @@ class ColumnConfig(NamedTuple):
 def _check_width(c: int) -> None:
     if c > MAX_CHANNELS:
         raise ValueError(
-            f"mrs_norm(backend='triton'): a row of {c} channels is wider than the {MAX_CHANNELS} the Triton "
-            "kernels hold in registers; use backend='inductor' (or 'torch') for it."
+            f"the Triton kernels hold at most {MAX_CHANNELS} channels of a row in registers, not {c} "
+            "(triton_kernels runs wider rows with the torch backend's bodies; backend='inductor' compiles them)."
         )
 
 

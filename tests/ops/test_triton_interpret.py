@@ -49,6 +49,7 @@ LAYOUTS = {
     "one_position": ((2, 6, 1, 1), 1, False, None),
     "middle_dim": ((3, 4, 6, 5), 2, False, None),
     "row_16384": ((2, 16384), -1, False, None),  # 32 warps, one row per program
+    "row_65538": ((2, 65538), -1, False, None),  # wider than a program holds: the torch bodies
 }
 # wide rows and many programs: seconds each under the interpreter (slow)
 WIDE = {

@@ -48,9 +48,9 @@ def test_a_column_tile_holds_every_phasor(c: int, l: int) -> None:
     assert cfg.warps == launch.warps_for(2 * cfg.block_p * cfg.block_l)
 
 
-def test_rows_wider_than_the_registers_are_refused_with_the_way_out() -> None:
+def test_no_tile_is_made_for_rows_wider_than_the_registers() -> None:
     for config in (lambda: launch.row_config(65538), lambda: launch.column_config(65538, 4)):
-        with pytest.raises(ValueError, match=r"backend='triton'.*65538 channels.*backend='inductor'"):
+        with pytest.raises(ValueError, match=r"at most 65536 channels .* not 65538"):
             config()
 
 
