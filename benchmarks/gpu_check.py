@@ -39,7 +39,6 @@ import importlib.metadata
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -50,6 +49,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_recipes import ALL_FLAGS, last_error as _last_error, pytest_check, recipe_check, recipe_command  # noqa: E402
+from gpu_check_recipes import run_command as _run_command  # noqa: E402
 
 GROUPS = ("speed", "ops", "recipes", "pytest", "multi-gpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,87 +157,6 @@ def _compile_check(dtype: torch.dtype) -> Callable[[Context], tuple[str, str, di
 
 
 
-def recipe_command(script: str, precision: str, ctx_device: str, devices: int, strategy: Optional[str],
-                   root_dir: Path, flags: Optional[set[str]] = None,
-                   compiled: bool = False) -> tuple[list[str], list[str]]:
-    """``(command, notes)``: a few steps of ``script`` with the monitors on (``compiled``: its model
-    compiled, ``--model.compile true``); ``notes`` say what its ``--help`` did not offer (then that
-    part is left out, or the check fails where the option is the point of it)."""
-    accelerator = "gpu" if ctx_device.startswith("cuda") else "cpu"
-    run_dir = root_dir / (f"{Path(script).stem}_{precision}_{devices}{'_' + strategy if strategy else ''}"
-                          f"{'_compiled' if compiled else ''}")
-    cmd = [sys.executable, script, "--trainer.accelerator", accelerator, "--trainer.devices", str(devices),
-           "--trainer.precision", precision, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2",
-           "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
-           "--trainer.default_root_dir", str(run_dir)]
-    if strategy:
-        cmd += ["--trainer.strategy", strategy]
-    notes: list[str] = []
-    if script.endswith("cifar100.py"):
-        cmd += ["--data.dataset", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_val_size", "64",
-                "--data.batch_size", "32", "--model.norm", "mrs"]
-        if accelerator == "cpu":  # the self-test: the CPU demo's narrow ResNet (a ResNet-18 takes minutes)
-            cmd += ["--model.arch", "timm:resnet18", "--model.arch_kwargs",
-                    '{"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}']
-    else:
-        cmd += ["--model.arch", "llama", "--model.norm", "mrs", "--model.config",
-                '{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512}',
-                "--data.dataset", "stdlib", "--data.seq_len", "128", "--data.batch_size", "16",
-                "--data.val_windows", "32", "--trainer.val_check_interval", "3"]
-    if compiled:
-        cmd += ["--model.compile", "true"]
-    if flags is not None:
-        for monitor in ("--monitor.log_every_n_steps", "--attention.log_every_n_steps"):
-            if monitor in flags:
-                cmd += [monitor, "2"]
-        if not any(f.startswith("--monitor.") for f in flags):
-            notes.append("no --monitor.* option in its --help: no gradient monitor")
-        unknown = [a for a in cmd if a.startswith("--") and a not in flags]
-        if unknown:
-            notes.append(f"its --help lacks {', '.join(unknown)}")
-    return cmd, notes
-
-
-def _run_command(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """``(status, the output)``; status 124 on a timeout."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1), env=env)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout:.0f} s"
-    return out.returncode, (out.stdout + out.stderr).strip()
-
-
-def _last_error(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"(Error|error:|Exception)", ln)]
-    return (errors or lines or ["(no output)"])[-1][:300]
-
-
-def _recipe_check(cmd: list[str], timeout: float) -> Callable[[Context], tuple[str, str, dict]]:
-    def run(ctx: Context) -> tuple[str, str, dict]:
-        t0 = time.perf_counter()
-        status, text = _run_command(cmd, timeout)
-        if status != 0:
-            return "FAIL", f"exit {status}: {_last_error(text)}", {"command": cmd}
-        return "PASS", f"6 steps in {time.perf_counter() - t0:.0f} s", {"command": cmd}
-    return run
-
-
-def _pytest_check(timeout: float) -> Callable[[Context], tuple[str, str, dict]]:
-    def run(ctx: Context) -> tuple[str, str, dict]:
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfs", "-x"]
-        status, text = _run_command(cmd, timeout)
-        summary = next((ln for ln in reversed(text.splitlines())
-                        if re.search(r"\d+ (passed|failed|skipped|error)", ln)), _last_error(text)).strip("= ")
-        if status == 0 and "passed" in summary:
-            return "PASS", summary, {}
-        if status == 0 and "skipped" in summary and ctx.device == "cpu":
-            return "SKIP", summary + " (no GPU here)", {}
-        return "FAIL", f"exit {status}: {summary}", {}
-    return run
-
-
 def checks(ctx: Context) -> list[Check]:
     """Every check, in the order they run (the default run: those without ``extra``)."""
     import gpu_check_speed as speed
@@ -263,22 +183,11 @@ def checks(ctx: Context) -> list[Check]:
     ]
     for group, name, seconds, script, precision, devices, strategy, compiled, extra in recipes:
         cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.out / "runs",
-                                _ALL_FLAGS, compiled)
-        out.append(Check(group, name, seconds, _recipe_check(cmd, 3 * seconds), devices, extra, cmd))
-    out.append(Check("pytest", "pytest -m cuda", 90, _pytest_check(180),
+                                ALL_FLAGS, compiled)
+        out.append(Check(group, name, seconds, recipe_check(cmd, 3 * seconds), devices, extra, cmd))
+    out.append(Check("pytest", "pytest -m cuda", 90, pytest_check(180),
                      command=[sys.executable, "-m", "pytest", "-m", "cuda", "-q"]))
     return out
-
-
-class _AllFlags(set):
-    """Every flag counts as offered: the commands are built without reading the recipes'
-    ``--help`` at run time (its cost was unbudgeted); the slow test checks them against it."""
-
-    def __contains__(self, flag: object) -> bool:
-        return True
-
-
-_ALL_FLAGS = _AllFlags()
 
 
 def estimate(selected: list[Check], gpus: int = 1) -> float:
