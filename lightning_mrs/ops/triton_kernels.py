@@ -92,12 +92,7 @@ if triton is not None:
         cmask = cols < 2 * P
         p = tl.arange(0, BLOCK_P)
         pmask = p < P
-        if HAS_W:
-            wp = tl.load(W + p, mask=pmask, other=0.0).to(tl.float32)
-            w = tl.interleave(wp, wp)[None, :]  # (1, BLOCK_C)
-        else:
-            w = tl.full((1, BLOCK_C), 1.0, tl.float32)
-        dw_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        dw_acc = tl.zeros((BLOCK_P,), dtype=tl.float32)  # per phasor: half the registers of per channel
         for blk in range(pid.to(tl.int64), n_blocks, tl.num_programs(0)):
             n = tl.cast(blk, tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) row index, 64 bits
             rmask = n < N
@@ -107,15 +102,23 @@ if triton is not None:
             xe, xo = tl.split(tl.reshape(x, (ROWS, BLOCK_P, 2)))
             rinv = 1.0 / tl.sqrt(xe * xe + xo * xo + eps)  # (ROWS, BLOCK_P): r recomputed, not saved
             inv = P / tl.load(RS + n, mask=rmask, other=1.0)  # (ROWS,) 1/S
-            gw = g * w
-            k = tl.sum(gw * x, axis=1) * inv * inv / P  # c / (P S^2), c = sum_k w g x
+            gx = g * x
+            if HAS_W:  # the gain reloaded per tile (a cache hit): not held in registers across the loop
+                wp = tl.load(W + p, mask=pmask, other=0.0).to(tl.float32)
+                w = tl.interleave(wp, wp)[None, :]  # (1, BLOCK_C)
+                c = tl.sum(gx * w, axis=1)  # (ROWS,) sum_k w g x
+                gw = g * w
+            else:
+                c = tl.sum(gx, axis=1)
+                gw = g
+            k = c * inv * inv / P  # c / (P S^2)
             dx = gw * inv[:, None] - (k[:, None] * x) * tl.interleave(rinv, rinv)
             tl.store(DX + n[:, None] * sd + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_W:
-                dw_acc += tl.sum(g * x * inv[:, None], axis=0)
+                de, do = tl.split(tl.reshape(gx * inv[:, None], (ROWS, BLOCK_P, 2)))
+                dw_acc += tl.sum(de + do, axis=0)
         if HAS_W:
-            de, do = tl.split(tl.reshape(dw_acc, (BLOCK_P, 2)))
-            tl.store(DWP + pid.to(tl.int64) * P + p, de + do, mask=pmask)
+            tl.store(DWP + pid.to(tl.int64) * P + p, dw_acc, mask=pmask)
 
     @triton.jit
     def _cols_fwd(
