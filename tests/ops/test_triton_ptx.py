@@ -88,3 +88,18 @@ def test_nchw_column_tiles_load_vectors_along_the_positions(backward: bool) -> N
     mem, regs, spills = compile_h100(tk._cols_bwd if backward else tk._cols_fwd, const, cfg.warps, COL_DIVISIBLE)
     assert _vector_loads(mem) >= (6 if backward else 2) and mem["st.global.v4.b32"] >= 2, mem
     assert spills == 0, (regs, spills)
+
+
+@pytest.mark.parametrize("name", ["_rows_fwd", "_rows_bwd", "_cols_fwd", "_cols_bwd"])
+def test_every_kernel_compiles_without_a_weight_in_float32(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(TYPES, "X", "*fp32")
+    for t in ("Y", "G", "DX", "W"):
+        monkeypatch.setitem(TYPES, t, "*fp32")
+    if name.startswith("_rows"):
+        cfg = launch.row_config(70)  # P = 35: no divisibility, masked tails
+        const, divisible = {"HAS_W": False, "BLOCK_C": cfg.block_c, "ROWS": cfg.rows}, ["X", "Y", "G", "DX"]
+    else:
+        cfg = launch.column_config(70, 9)
+        const, divisible = {"HAS_W": False, "BLOCK_P": cfg.block_p, "BLOCK_L": cfg.block_l}, ["X", "Y", "G", "DX"]
+    mem, regs, spills = compile_h100(getattr(tk, name), const, cfg.warps, divisible)
+    assert mem and spills == 0, (mem, regs, spills)
