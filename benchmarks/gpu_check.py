@@ -39,6 +39,7 @@ import importlib.metadata
 import json
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_recipes import ALL_FLAGS, last_error as _last_error, pytest_check, recipe_check, recipe_command  # noqa: E402
+from gpu_check_recipes import ALL_FLAGS, kill_active, last_error as _last_error, pytest_check, recipe_check, recipe_command  # noqa: E402
 from gpu_check_recipes import run_command as _run_command  # noqa: E402
 
 GROUPS = ("speed", "ops", "recipes", "pytest", "multi-gpu")
@@ -184,8 +185,8 @@ def checks(ctx: Context) -> list[Check]:
     for group, name, seconds, script, precision, devices, strategy, compiled, extra in recipes:
         cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.out / "runs",
                                 ALL_FLAGS, compiled)
-        out.append(Check(group, name, seconds, recipe_check(cmd, 3 * seconds), devices, extra, cmd))
-    out.append(Check("pytest", "pytest -m cuda", 90, pytest_check(180),
+        out.append(Check(group, name, seconds, recipe_check(cmd, 2 * seconds), devices, extra, cmd))
+    out.append(Check("pytest", "pytest -m cuda", 90, pytest_check(2 * 90),
                      command=[sys.executable, "-m", "pytest", "-m", "cuda", "-q"]))
     return out
 
@@ -240,6 +241,12 @@ def run_worker(ctx: Context, indices: list[int]) -> int:
     """Run ``checks(ctx)[i]`` for ``indices`` in order, appending each row as it ends."""
     every = checks(ctx)
     crash = os.environ.get(CRASH_ENV, "")
+
+    def stop(signum: int, frame: object) -> None:  # the group's timeout: take the running command along
+        kill_active()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     for i in indices:
         check = every[i]
         if crash == f"{check.group}/{check.name}":
@@ -288,7 +295,7 @@ def run_group(args: argparse.Namespace, every: list[Check], indices: list[int], 
                        f"(run it with --only {c.group})")
         if not fits:
             return
-        timeout = min(WORKER_START_S + 1.5 * total, budget - (time.perf_counter() - started))
+        timeout = min(WORKER_START_S + 2 * total, budget - (time.perf_counter() - started))
         t0 = time.perf_counter()
         status, text = _run_command(_worker_command(args, every[fits[0]].group, fits), timeout)
         done = _done(out)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import re
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ALL_FLAGS", "last_error", "pytest_check", "recipe_check", "recipe_command", "run_command"]
+__all__ = ["ALL_FLAGS", "kill_active", "last_error", "pytest_check", "recipe_check", "recipe_command", "run_command"]
 
 
 def recipe_command(script: str, precision: str, ctx_device: str, devices: int, strategy: Optional[str],
@@ -57,14 +59,40 @@ def recipe_command(script: str, precision: str, ctx_device: str, devices: int, s
     return cmd, notes
 
 
+_ACTIVE: set[int] = set()  # the sessions of the commands running now (see kill_active)
+
+
+def kill_active() -> None:
+    """Kill every command :func:`run_command` is running, with its children (a worker told to
+    stop passes it on: its recipe's session is not its own)."""
+    for pgid in list(_ACTIVE):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 def run_command(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """``(status, the output)``; status 124 on a timeout."""
+    """``(status, the output)``; status 124 on a timeout. The command runs in a session of its
+    own; a timeout sends it SIGTERM (a worker then kills its own command's session), then
+    SIGKILL: a recipe's data workers must not go on holding the GPU after their row is written."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    _ACTIVE.add(proc.pid)
     try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1), env=env)
+        out, _ = proc.communicate(timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
         return 124, f"timed out after {timeout:.0f} s"
-    return out.returncode, (out.stdout + out.stderr).strip()
+    finally:
+        _ACTIVE.discard(proc.pid)
+    return proc.returncode, out.strip()
 
 
 def last_error(text: str) -> str:

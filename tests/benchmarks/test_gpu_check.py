@@ -222,3 +222,33 @@ def test_the_recipe_and_pytest_checks_run_on_the_cpu(tmp_path: Path) -> None:
     for name in ("recipes/cifar100.py 16-mixed", "recipes/lm.py bf16-mixed", "recipes/lm.py bf16-mixed compiled"):
         assert rows[name]["status"] == "PASS", rows[name]
     assert rows["pytest -m cuda"]["status"] == "SKIP"  # every CUDA test skips here
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    import os
+    import time
+
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_timeout_stops_the_worker_and_the_command_it_started(tmp_path: Path) -> None:
+    import gpu_check_recipes
+
+    pidfile = tmp_path / "pid"
+    sleeper = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    # a worker-like process: runs the sleeper in a session of its own, stops it on SIGTERM
+    worker = ("import os, signal, sys; sys.path.insert(0, 'benchmarks'); import gpu_check_recipes as r; "
+              "signal.signal(signal.SIGTERM, lambda *a: (r.kill_active(), os._exit(143))); "
+              f"r.run_command([sys.executable, '-c', {sleeper!r}], 300)")
+    t0 = __import__("time").time()
+    status, text = gpu_check_recipes.run_command([sys.executable, "-c", worker], timeout=8)
+    assert status == 124 and "timed out after 8 s" in text and __import__("time").time() - t0 < 25
+    assert pidfile.exists(), "the sleeper never started"
+    assert _gone(int(pidfile.read_text())), "the worker's command outlived its timeout"
