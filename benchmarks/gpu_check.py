@@ -1,47 +1,48 @@
-"""Everything that needs a GPU, in one command and one table: the first thing to run on a GPU.
+"""Everything that needs a GPU, in one command: the first thing to run on a GPU (a 15-minute lease).
 
-Checks, in this order (``--dry-run`` lists them with their commands):
+Groups, in this order (the number we have never had first):
 
-* ``ops``: the op on CUDA, every layout (:data:`gpu_check_ops.LAYOUTS`) x float32, bfloat16,
-  float16 x backend (``triton``, ``inductor``, ``eager``, ``auto``) against a float64 reference,
-  forward, input and weight gradient; ``compile``: ``torch.compile(fullgraph=True)`` of the op;
-* ``pytest``: the ``-m cuda`` test marker set;
-* ``speed``: forward+backward time and peak memory of MRSNorm against ``F.layer_norm``,
-  ``F.rms_norm``, ``F.group_norm`` and (when importable) Liger-Kernel's ``LigerRMSNorm`` and
-  ``LigerLayerNorm``, with the achieved fraction of the memory bandwidth on the large token
-  shapes (of a device copy, and of the GPU's nominal figure);
-* ``recipes``: a few steps of ``recipes/cifar100.py`` (synthetic data, ``16-mixed`` and
-  ``bf16-mixed``) and ``recipes/lm.py`` (``bf16-mixed``, and again with ``--model.compile
-  true``: its decoder layers compiled by Inductor), monitors on; ``multi-gpu`` (with 2 or more GPUs): the same with
-  ``--trainer.devices 2`` (DDP) and FSDP2.
+* ``speed``: a device copy, then per token shape and dtype our Triton kernels' forward and
+  backward beside Liger-Kernel's RMSNorm ops (``triton.testing.do_bench``, L2 flushed), a
+  ratio and which is faster, the module times, and our bandwidth as a share of the copy
+  (``gpu_check_speed.py``);
+* ``ops``: the op on CUDA, every layout x dtype x backend against a float64 reference
+  (forward, input and weight gradient), the half-precision input gradient to one ulp, and
+  ``torch.compile(fullgraph=True)`` of the op (``gpu_check_ops.py``);
+* ``recipes``: 6 steps of ``recipes/cifar100.py`` (synthetic data, ``16-mixed``) and
+  ``recipes/lm.py`` (``bf16-mixed``), monitors on;
+* ``pytest``: the ``-m cuda`` test marker set.
 
-Each check ends as PASS, FAIL (with why), SKIP (with why: no Liger, one GPU, the time budget)
-or INFO (figures). The run keeps to ``--budget`` seconds (450, so under 8 minutes): a check
-whose estimate no longer fits is skipped, and says so (``--only`` runs it on its own); the
-multi-GPU checks add about 3 minutes to the default budget where they run. The exit status is 1 if any check
-failed, 0 otherwise; without CUDA the script prints one line and exits with status 2.
+``--extra`` adds the ``bf16-mixed`` image recipe, the compiled LM recipe and (with 2 GPUs) DDP
+and FSDP2. Each group runs in a worker subprocess of its own, with a timeout: a crash (an
+illegal memory access poisons a CUDA context) costs one row, and the group goes on in a fresh
+worker. Every row is appended, as it ends, to ``results.csv`` and ``results.md`` in the output
+folder (``--out``), so a run cut off still leaves what it did. The default run's estimate
+(:func:`estimate`, tested against the list) keeps inside :data:`BUDGET_S` with a margin under
+8 minutes; a check that no longer fits is a SKIP row that says so. Exit status: 1 if a check
+failed, 0 otherwise; without CUDA one line and status 2.
 
 Usage::
 
-    python benchmarks/gpu_check.py                       # everything (one GPU: < 8 minutes)
-    python benchmarks/gpu_check.py --dry-run             # the checks and commands, nothing run
-    python benchmarks/gpu_check.py --only ops speed      # some groups
-    python benchmarks/gpu_check.py --json gpu_check.json # also the figures, machine-readable
-    python benchmarks/gpu_check.py --device cpu --only ops speed   # the harness itself, on the CPU
+    pip install liger-kernel                            # the bar of the speed table (optional)
+    python benchmarks/gpu_check.py --dry-run            # the plan and its estimate, nothing run
+    python benchmarks/gpu_check.py --out gpu_check_out  # everything (< 8 minutes on one GPU)
+    python benchmarks/gpu_check.py --only speed         # some groups
+    python benchmarks/gpu_check.py --device cpu --only ops   # the harness itself, on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.metadata
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -49,72 +50,64 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_recipes import ALL_FLAGS, kill_active, last_error as _last_error, pytest_check, recipe_check, recipe_command  # noqa: E402
+from gpu_check_recipes import run_command as _run_command  # noqa: E402
 
-GROUPS = ("ops", "compile", "pytest", "speed", "recipes", "multi-gpu")
+GROUPS = ("speed", "ops", "recipes", "pytest", "multi-gpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_CUDA = ("gpu_check: no CUDA GPU is visible here (torch.cuda.is_available() is False), so nothing was run; "
-           "--dry-run lists the checks, --device cpu runs the harness on the CPU.")
-
-
-@dataclass
-class Row:
-    """One line of the table."""
-
-    group: str
-    check: str
-    status: str  # PASS, FAIL, SKIP, INFO
-    result: str
-    seconds: float = 0.0
-    figures: dict = field(default_factory=dict)  # for --json
+           "--dry-run prints the plan, --device cpu runs the harness on the CPU.")
+LIMIT_S = 480.0  # what the run must stay under (8 minutes of a 15-minute lease)
+BUDGET_S = 450.0  # the default budget: LIMIT_S less a 30 s margin
+WORKER_START_S = 20.0  # a worker's start: torch, triton, lightning_mrs, the CUDA context
+COLUMNS = ["group", "check", "status", "seconds", "ours_ms", "liger_ms", "ratio", "faster", "copy_share", "result"]
+CPU_SLACK = 6.0  # the CPU self-test's commands take this many times a GPU's estimate (timeouts only)
+CRASH_ENV = "GPU_CHECK_SELFTEST_CRASH"  # "group/check": that check kills its worker (the self-test)
 
 
 @dataclass
 class Check:
-    """One check: ``run(ctx)`` returns its row's ``(status, result, figures)``."""
+    """One row: ``run(ctx)`` returns ``(status, result, figures)``; ``seconds``: the estimate
+    on one GPU (a first call compiles: Triton ~1 s a kernel variant, Inductor more)."""
 
     group: str
     name: str
-    seconds: float  # the estimate on one GPU, for the budget
+    seconds: float
     run: Callable[["Context"], tuple[str, str, dict]]
-    gpus: int = 1  # GPUs it needs
-    command: Optional[list[str]] = None  # a subprocess check's command line (--dry-run prints it)
+    gpus: int = 1
+    extra: bool = False  # only with --extra
+    command: Optional[list[str]] = None  # a subprocess check's command (--dry-run prints it)
 
 
 @dataclass
 class Context:
     device: str
     gpus: int
-    scale: int  # the speed cases' first dim is divided by it (the CPU self-test)
-    root_dir: Path  # where the recipes write their runs
+    scale: int  # the speed cases' rows are divided by it (the CPU self-test)
+    out: Path  # the output folder (the recipes' runs go under it too)
     backends: list[str]
-    started: float = field(default_factory=time.perf_counter)
     copy_bw: Optional[float] = None
-    peak_bw: Optional[float] = None
 
 
-# --- the op: correctness, compile, speed --------------------------------------------------------
-def _ops_check(backend: str, dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
+# --- the checks ---------------------------------------------------------------------------------
+def _copy_check(ctx: Context) -> tuple[str, str, dict]:
+    import gpu_check_speed as speed
+
+    ctx.copy_bw = speed.copy_bandwidth(ctx.device, nbytes=(1 << 28) // ctx.scale)
+    return "INFO", f"device copy {ctx.copy_bw / 1e9:.0f} GB/s (do_bench, 256 MiB)", {"copy_bw": ctx.copy_bw}
+
+
+def _speed_check(index: int) -> Callable[[Context], tuple[str, str, dict]]:
     def run(ctx: Context) -> tuple[str, str, dict]:
-        import gpu_check_ops as ops
+        import gpu_check_speed as speed
 
-        def expected_refusal(layout: str) -> bool:
-            # the Triton kernels compute one S per position; on the CPU (the self-test) a forced
-            # kernel may refuse any layout it does not cover, with its reason
-            return (backend == "triton" and ops.LAYOUTS[layout][2]) or (ctx.device == "cpu" and backend != "auto")
-
-        out = ops.check_backend_dtype(backend, dtype, ctx.device, expected_refusal)
-        return _outcome(out, len(ops.LAYOUTS))
-    return run
-
-
-def _compile_check(dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
-    layouts = ["tokens", "nchw_per_sample", "nhwc_per_position"]
-
-    def run(ctx: Context) -> tuple[str, str, dict]:
-        import gpu_check_ops as ops
-
-        out = ops.check_backend_dtype("auto", dtype, ctx.device, lambda layout: False, layouts, compiled=True)
-        return _outcome(out, len(layouts))
+        if ctx.copy_bw is None:  # a restarted worker: measure the copy again
+            _copy_check(ctx)
+        row = speed.run_case(speed.CASES[index], ctx.device, ctx.copy_bw, ctx.scale)
+        figures = {"ours_ms": row.ours, "liger_ms": row.liger, "ratio": row.ratio, "faster": row.faster,
+                   "copy_share": row.copy_share}
+        suspicious = row.copy_share is not None and row.copy_share > 1.05  # faster than a copy: a wrong timing
+        return ("FAIL" if suspicious else "INFO"), row.summary(), figures
     return run
 
 
@@ -129,253 +122,297 @@ def _outcome(out: object, n: int) -> tuple[str, str, dict]:
                                                    "refused": out.refused}  # type: ignore[attr-defined]
 
 
-def _bandwidth_check(ctx: Context) -> tuple[str, str, dict]:
-    import gpu_check_ops as ops
-
-    ctx.copy_bw = ops.copy_bandwidth(ctx.device, nbytes=(1 << 28) // ctx.scale)
-    ctx.peak_bw = ops.nominal_bandwidth(ctx.device)
-    nominal = f", nominal {ctx.peak_bw / 1e9:.0f} GB/s (memory clock x bus width)" if ctx.peak_bw else ""
-    return "INFO", f"device copy {ctx.copy_bw / 1e9:.0f} GB/s{nominal}", {"copy": ctx.copy_bw, "nominal": ctx.peak_bw}
-
-
-def _speed_check(index: int, dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
+def _ops_check(backend: str, dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
     def run(ctx: Context) -> tuple[str, str, dict]:
         import gpu_check_ops as ops
 
-        case = ops.scaled(ops.SPEED_CASES[index], ctx.scale)
-        res = ops.speed_case(case, dtype, ctx.device, iters=20 if ctx.device != "cpu" else 2,
-                             rounds=5 if ctx.device != "cpu" else 2)
-        status = "INFO" if res.ours in res.ms else "FAIL"
-        return status, res.summary(ctx.copy_bw, ctx.peak_bw), asdict(res)
+        def expected_refusal(layout: str) -> bool:
+            # the Triton kernels compute one S per position; on the CPU (the self-test) a forced
+            # kernel may refuse any layout it does not cover, with its reason
+            return (backend == "triton" and ops.LAYOUTS[layout][2]) or (ctx.device == "cpu" and backend != "auto")
+
+        return _outcome(ops.check_backend_dtype(backend, dtype, ctx.device, expected_refusal), len(ops.LAYOUTS))
     return run
 
 
-# --- subprocesses: recipes and the CUDA test marker set -----------------------------------------
-_HELP: dict[str, set[str]] = {}
-
-
-def help_flags(script: str) -> set[str]:
-    """The ``--flags`` a recipe's ``--help`` lists (read once per script)."""
-    if script not in _HELP:
-        out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        _HELP[script] = set(re.findall(r"(--[A-Za-z_][\w.]*)", out.stdout))
-    return _HELP[script]
-
-
-def recipe_command(script: str, precision: str, ctx_device: str, devices: int, strategy: Optional[str],
-                   root_dir: Path, flags: Optional[set[str]] = None,
-                   compiled: bool = False) -> tuple[list[str], list[str]]:
-    """``(command, notes)``: a few steps of ``script`` with the monitors on (``compiled``: its model
-    compiled, ``--model.compile true``); ``notes`` say what its ``--help`` did not offer (then that
-    part is left out, or the check fails where the option is the point of it)."""
-    accelerator = "gpu" if ctx_device.startswith("cuda") else "cpu"
-    run_dir = root_dir / (f"{Path(script).stem}_{precision}_{devices}{'_' + strategy if strategy else ''}"
-                          f"{'_compiled' if compiled else ''}")
-    cmd = [sys.executable, script, "--trainer.accelerator", accelerator, "--trainer.devices", str(devices),
-           "--trainer.precision", precision, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2",
-           "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
-           "--trainer.default_root_dir", str(run_dir)]
-    if strategy:
-        cmd += ["--trainer.strategy", strategy]
-    notes: list[str] = []
-    if script.endswith("cifar100.py"):
-        cmd += ["--data.dataset", "synthetic", "--data.synthetic_train_size", "256", "--data.synthetic_val_size", "64",
-                "--data.batch_size", "32", "--model.norm", "mrs"]
-        if accelerator == "cpu":  # the self-test: the CPU demo's narrow ResNet (a ResNet-18 takes minutes)
-            cmd += ["--model.arch", "timm:resnet18", "--model.arch_kwargs",
-                    '{"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem_width": 32}']
-    else:
-        cmd += ["--model.arch", "llama", "--model.norm", "mrs", "--model.config",
-                '{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512}',
-                "--data.dataset", "stdlib", "--data.seq_len", "128", "--data.batch_size", "16",
-                "--data.val_windows", "32", "--trainer.val_check_interval", "3"]
-    if compiled:
-        cmd += ["--model.compile", "true"]
-    if flags is not None:
-        for monitor in ("--monitor.log_every_n_steps", "--attention.log_every_n_steps"):
-            if monitor in flags:
-                cmd += [monitor, "2"]
-        if not any(f.startswith("--monitor.") for f in flags):
-            notes.append("no --monitor.* option in its --help: no gradient monitor")
-        unknown = [a for a in cmd if a.startswith("--") and a not in flags]
-        if unknown:
-            notes.append(f"its --help lacks {', '.join(unknown)}")
-    return cmd, notes
-
-
-def _run_command(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """``(status, the last lines of the output)``; status 124 on a timeout."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1), env=env)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout:.0f} s"
-    return out.returncode, (out.stdout + out.stderr).strip()
-
-
-def _last_error(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"(Error|error:|Exception)", ln)]
-    return (errors or lines or ["(no output)"])[-1][:300]
-
-
-def _recipe_check(script: str, precision: str, devices: int = 1, strategy: Optional[str] = None,
-                  compiled: bool = False) -> Callable[[Context], tuple[str, str, dict]]:
+def _half_check(dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
     def run(ctx: Context) -> tuple[str, str, dict]:
-        flags = help_flags(script)
-        cmd, notes = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir, flags, compiled)
-        if any(n.startswith("its --help lacks") for n in notes):
-            return "FAIL", "; ".join(notes), {"command": cmd}
-        t0 = time.perf_counter()
-        status, text = _run_command(cmd, _remaining(ctx, cap=420))
-        seconds = time.perf_counter() - t0
-        figures = {"command": cmd, "returncode": status}
-        if status != 0:
-            return "FAIL", f"exit {status}: {_last_error(text)}", figures
-        return "PASS", "; ".join([f"6 steps in {seconds:.0f} s", *notes]), figures
+        import gpu_check_ops as ops
+
+        errors = {layout: ops.half_gradient_error("auto", layout, dtype, ctx.device) for layout in ops.HALF_LAYOUTS}
+        worst = max(errors, key=errors.get)
+        bad = [f"{k}: {v:.2f} ulp" for k, v in errors.items() if not v <= 1.0]
+        text = f"{len(errors) - len(bad)}/{len(errors)} layouts within one ulp (worst {worst}: {errors[worst]:.2f})"
+        return ("FAIL" if bad else "PASS"), text + ("; FAILED " + ", ".join(bad) if bad else ""), {"ulps": errors}
     return run
 
 
-def _pytest_check(ctx: Context) -> tuple[str, str, dict]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-rfs"]
-    status, text = _run_command(cmd, _remaining(ctx, cap=300))
-    summary = next((ln for ln in reversed(text.splitlines()) if re.search(r"\d+ (passed|failed|skipped|error)", ln)),
-                   _last_error(text))
-    if status == 0 and "passed" in summary:
-        return "PASS", summary.strip("= "), {"returncode": status}
-    if status == 0 and "skipped" in summary and ctx.device == "cpu":
-        return "SKIP", summary.strip("= ") + " (no GPU here)", {"returncode": status}
-    return "FAIL", f"exit {status}: {summary.strip('= ')}", {"returncode": status}
+def _compile_check(dtype: torch.dtype) -> Callable[[Context], tuple[str, str, dict]]:
+    layouts = ["tokens", "nchw_per_sample", "nhwc_per_position"]
+
+    def run(ctx: Context) -> tuple[str, str, dict]:
+        import gpu_check_ops as ops
+
+        out = ops.check_backend_dtype("auto", dtype, ctx.device, lambda layout: False, layouts, compiled=True)
+        return _outcome(out, len(layouts))
+    return run
 
 
-def _remaining(ctx: Context, cap: float) -> float:
-    return min(cap, BUDGET[0] - (time.perf_counter() - ctx.started))
 
-
-BUDGET = [450.0]  # seconds; --budget (the default adds MULTI_GPU_S where 2+ GPUs are visible)
-MULTI_GPU_S = 180.0
-
-
-# --- the list of checks, the run, the table ----------------------------------------------------
 def checks(ctx: Context) -> list[Check]:
-    """Every check, in the order they run."""
-    import gpu_check_ops as ops
+    """Every check, in the order they run (the default run: those without ``extra``)."""
+    import gpu_check_speed as speed
 
-    out: list[Check] = []
-    # seconds on one GPU (a first call compiles: Triton ~1 s per kernel variant, Inductor more)
-    estimate = {"triton": 10, "inductor": 30, "eager": 2, "auto": 5, "cpp": 3, "torch": 3}
-    for backend in ctx.backends:
+    out = [Check("speed", "device copy", 3, _copy_check)]
+    out += [Check("speed", f"{c.name} {c.dtype}", 7, _speed_check(i)) for i, c in enumerate(speed.CASES)]
+    estimate = {"triton": 25, "auto": 30, "inductor": 40, "eager": 5, "cpp": 3, "torch": 3}
+    for backend in ctx.backends:  # Triton in every dtype; the others once (auto: Inductor per sample)
         for name, dtype in DTYPES.items():
-            out.append(Check("ops", f"{backend} {name}", estimate.get(backend, 10), _ops_check(backend, dtype)))
-    for name, dtype in DTYPES.items():
-        out.append(Check("compile", f"torch.compile {name}", 10, _compile_check(dtype)))
-    out.append(Check("pytest", "pytest -m cuda", 60, _pytest_check,
-                     command=[sys.executable, "-m", "pytest", "-m", "cuda", "-q"]))
-    out.append(Check("speed", "memory bandwidth", 3, _bandwidth_check))
-    for i, case in enumerate(ops.SPEED_CASES):
-        for name in ("bfloat16", "float32"):
-            out.append(Check("speed", f"{case.name} {name}", 4, _speed_check(i, DTYPES[name])))
+            if backend == "triton" or name == "bfloat16" or ctx.device == "cpu":
+                out.append(Check("ops", f"{backend} {name}", estimate.get(backend, 10), _ops_check(backend, dtype)))
+    out += [Check("ops", f"half gradient to one ulp {name}", 10, _half_check(DTYPES[name]))
+            for name in ("bfloat16", "float16")]
+    out.append(Check("ops", "torch.compile bfloat16", 15, _compile_check(torch.bfloat16)))
+    slack = 1.0 if ctx.device.startswith("cuda") else CPU_SLACK
     cifar, lm = "recipes/cifar100.py", "recipes/lm.py"
     recipes = [
-        ("recipes", f"{cifar} 16-mixed", 35, cifar, "16-mixed", 1, None, False),
-        ("recipes", f"{cifar} bf16-mixed", 35, cifar, "bf16-mixed", 1, None, False),
-        ("recipes", f"{lm} bf16-mixed", 35, lm, "bf16-mixed", 1, None, False),
-        ("recipes", f"{lm} bf16-mixed compiled", 90, lm, "bf16-mixed", 1, None, True),
-        ("multi-gpu", f"{cifar} bf16-mixed DDP x2", 60, cifar, "bf16-mixed", 2, "ddp", False),
-        ("multi-gpu", f"{lm} bf16-mixed DDP x2", 60, lm, "bf16-mixed", 2, "ddp", False),
-        ("multi-gpu", f"{lm} bf16-mixed FSDP2 x2", 60, lm, "bf16-mixed", 2, "fsdp2", False),
+        ("recipes", f"{cifar} 16-mixed", 35, cifar, "16-mixed", 1, None, False, False),
+        ("recipes", f"{lm} bf16-mixed", 35, lm, "bf16-mixed", 1, None, False, False),
+        ("recipes", f"{cifar} bf16-mixed", 35, cifar, "bf16-mixed", 1, None, False, True),
+        ("recipes", f"{lm} bf16-mixed compiled", 90, lm, "bf16-mixed", 1, None, True, True),
+        ("multi-gpu", f"{cifar} bf16-mixed DDP x2", 60, cifar, "bf16-mixed", 2, "ddp", False, True),
+        ("multi-gpu", f"{lm} bf16-mixed DDP x2", 60, lm, "bf16-mixed", 2, "ddp", False, True),
+        ("multi-gpu", f"{lm} bf16-mixed FSDP2 x2", 60, lm, "bf16-mixed", 2, "fsdp2", False, True),
     ]
-    for group, name, seconds, script, precision, devices, strategy, compiled in recipes:
-        cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.root_dir, compiled=compiled)
-        out.append(Check(group, name, seconds, _recipe_check(script, precision, devices, strategy, compiled),
-                         gpus=devices, command=cmd))
+    for group, name, seconds, script, precision, devices, strategy, compiled, extra in recipes:
+        cmd, _ = recipe_command(script, precision, ctx.device, devices, strategy, ctx.out / "runs",
+                                ALL_FLAGS, compiled)
+        out.append(Check(group, name, seconds, recipe_check(cmd, 2 * seconds * slack), devices, extra, cmd))
+    out.append(Check("pytest", "pytest -m cuda", 90, pytest_check(2 * 90 * slack),
+                     command=[sys.executable, "-m", "pytest", "-m", "cuda", "-q"]))
     return out
 
 
-def run_checks(selected: list[Check], ctx: Context, print_row: Callable[[Row], None]) -> list[Row]:
-    """Run ``selected`` in order within the budget; one row each, printed as it ends."""
-    rows = []
-    for check in selected:
-        elapsed = time.perf_counter() - ctx.started
-        if check.gpus > ctx.gpus:
-            row = Row(check.group, check.name, "SKIP", f"needs {check.gpus} GPUs, {ctx.gpus} visible")
-        elif elapsed + check.seconds > BUDGET[0]:
-            row = Row(check.group, check.name, "SKIP",
-                      f"time budget: {elapsed:.0f} s spent, ~{check.seconds:.0f} s needed, --budget {BUDGET[0]:.0f}")
-        else:
-            t0 = time.perf_counter()
-            try:
-                status, result, figures = check.run(ctx)
-            except Exception as err:  # a broken check is one failed row, not the end of the run
-                status, result, figures = "FAIL", f"{type(err).__name__}: {str(err)[:300]}", {}
-            row = Row(check.group, check.name, status, result, time.perf_counter() - t0, figures)
-        rows.append(row)
-        print_row(row)
-    return rows
+def estimate(selected: list[Check], gpus: int = 1) -> float:
+    """Seconds the run of ``selected`` takes by the checks' estimates: each group's worker
+    start, then its checks (those that need more GPUs than ``gpus`` are skipped)."""
+    runnable = [c for c in selected if c.gpus <= gpus]
+    return sum(c.seconds for c in runnable) + WORKER_START_S * len({c.group for c in runnable})
 
 
-def format_row(row: Row) -> str:
-    return f"{row.group:10s} {row.check:42s} {row.status:5s} {row.seconds:7.1f}  {row.result}"
+# --- the output: one CSV and one Markdown table, a row appended as it ends ------------------------
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
-def header(ctx: Context) -> str:
-    if ctx.device.startswith("cuda"):
+def start_output(out: Path, title: str) -> None:
+    """Create ``out`` with the headers of ``results.csv`` and ``results.md`` (if not there yet)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "results.csv").exists():
+        with open(out / "results.csv", "w", newline="") as f:
+            csv.writer(f).writerow(COLUMNS)
+        with open(out / "results.md", "w") as f:
+            f.write(f"{title}\n\n| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n")
+
+
+def append_row(out: Path, group: str, name: str, status: str, seconds: float, result: str,
+               figures: Optional[dict] = None) -> None:
+    """Append one row to both files, flushed (a run cut off keeps every finished row)."""
+    figures = figures or {}
+    values = {"group": group, "check": name, "status": status, "seconds": round(seconds, 1), "result": result,
+              **{k: figures.get(k) for k in ("ours_ms", "liger_ms", "ratio", "faster", "copy_share")}}
+    cells = [_cell(values[c]) for c in COLUMNS]
+    with open(out / "results.csv", "a", newline="") as f:
+        csv.writer(f).writerow(cells)
+    with open(out / "results.md", "a") as f:
+        f.write("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |\n")
+
+
+def read_rows(out: Path) -> list[dict]:
+    """The rows written so far."""
+    with open(out / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- the worker: one group's checks in a subprocess --------------------------------------------
+def run_worker(ctx: Context, indices: list[int]) -> int:
+    """Run ``checks(ctx)[i]`` for ``indices`` in order, appending each row as it ends."""
+    every = checks(ctx)
+    crash = os.environ.get(CRASH_ENV, "")
+
+    def stop(signum: int, frame: object) -> None:  # the group's timeout: take the running command along
+        kill_active()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    for i in indices:
+        check = every[i]
+        if crash == f"{check.group}/{check.name}":
+            os._exit(134)  # the self-test of a worker that dies (as on an illegal memory access)
+        t0 = time.perf_counter()
+        try:
+            status, result, figures = check.run(ctx)
+        except Exception as err:  # a broken check is one failed row, not the end of the group
+            status, result, figures = "FAIL", f"{type(err).__name__}: {str(err)[:300]}", {}
+        append_row(ctx.out, check.group, check.name, status, time.perf_counter() - t0, result, figures)
+        with open(ctx.out / ".done", "a") as f:
+            f.write(f"{i}\n")
+    return 0
+
+
+def _done(out: Path) -> set[int]:
+    path = out / ".done"
+    return {int(s) for s in path.read_text().split()} if path.exists() else set()
+
+
+def _worker_command(args: argparse.Namespace, group: str, indices: list[int]) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", group, "--indices", ",".join(map(str, indices)),
+           "--out", str(args.out), "--device", args.device]
+    if args.backends:
+        cmd += ["--backends", *args.backends]
+    return cmd
+
+
+def run_group(args: argparse.Namespace, every: list[Check], indices: list[int], started: float,
+              budget: float) -> None:
+    """The checks ``indices`` of one group in workers: those that fit the budget, a fresh
+    worker after a crash, a FAIL row for the check a crash or the timeout stopped."""
+    out = Path(args.out)
+    pending = list(indices)
+    while pending:
+        left = budget - (time.perf_counter() - started) - WORKER_START_S
+        fits, total = [], 0.0
+        for i in pending:
+            if total + every[i].seconds <= left:
+                fits.append(i)
+                total += every[i].seconds
+        for i in (i for i in pending if i not in fits):
+            c = every[i]
+            append_row(out, c.group, c.name, "SKIP", 0.0,
+                       f"time budget: ~{c.seconds:.0f} s needed, {max(left - total, 0):.0f} s left of {budget:.0f} "
+                       f"(run it with --only {c.group})")
+        if not fits:
+            return
+        slack = 1.0 if args.device.startswith("cuda") else CPU_SLACK
+        timeout = min(slack * (WORKER_START_S + 2 * total), budget - (time.perf_counter() - started))
+        t0 = time.perf_counter()
+        status, text = _run_command(_worker_command(args, every[fits[0]].group, fits), timeout)
+        done = _done(out)
+        rest = [i for i in fits if i not in done]
+        if not rest:
+            return
+        first = every[rest[0]]
+        why = (f"timed out: the group's worker was stopped after {timeout:.0f} s" if status == 124
+               else f"the worker died (exit {status}): {_last_error(text)}")
+        append_row(out, first.group, first.name, "FAIL", time.perf_counter() - t0, why)
+        if status == 124:
+            for i in rest[1:]:
+                append_row(out, every[i].group, every[i].name, "SKIP", 0.0, "the group's worker timed out before it")
+            return
+        pending = rest[1:]  # the next check in a fresh worker (a fresh CUDA context)
+
+
+# --- the run -----------------------------------------------------------------------------------
+def header(device: str, gpus: int, budget: float) -> str:
+    if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
-        what = (f"{props.name} x{ctx.gpus} ({props.total_memory / 2**30:.0f} GiB, compute capability "
+        what = (f"{props.name} x{gpus} ({props.total_memory / 2**30:.0f} GiB, compute capability "
                 f"{props.major}.{props.minor})")
     else:
-        what = f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads): the harness's self-test"
+        what = f"CPU ({os.cpu_count()} cores): the harness's self-test"
     versions = [f"torch {torch.__version__}"]
-    for package in ("triton", "liger-kernel", "transformers"):
+    for package in ("triton", "liger-kernel"):
         try:
             versions.append(f"{package} {importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{package} not installed")
-    return f"gpu_check on {what}; {', '.join(versions)}; budget {BUDGET[0]:.0f} s"
+    return f"gpu_check on {what}; {', '.join(versions)}; budget {budget:.0f} s"
 
 
-def summary(rows: list[Row], seconds: float) -> str:
-    counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP", "INFO")}
+def summary(rows: list[dict], seconds: float) -> str:
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP", "INFO")}
     return f"{len(rows)} checks: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" in {seconds:.0f} s"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="list the checks (and their commands), run nothing")
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its estimate, run nothing")
     p.add_argument("--only", nargs="+", choices=GROUPS, default=None, help="run only these groups")
+    p.add_argument("--extra", action="store_true", help="also the extra recipes (bf16 image, compiled LM, 2 GPUs)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the harness's self-test)")
     p.add_argument("--backends", nargs="+", default=None,
-                   help="backends of the ops checks (cuda: triton inductor eager auto; cpu: cpp eager auto)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for the whole run (default 450 on one GPU, 630 with the multi-GPU checks)")
-    p.add_argument("--json", default=None, help="also write every row and its figures to this file")
-    args = p.parse_args(argv)
+                   help="backends of the ops checks (cuda: triton auto eager; cpu: cpp eager auto)")
+    p.add_argument("--budget", type=float, default=None, help=f"seconds for the whole run (default {BUDGET_S:.0f})")
+    p.add_argument("--out", default=None, help="the output folder (default gpu_check_out/<date-time>)")
+    p.add_argument("--match", default=None, help="only the checks whose name matches this regular expression")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--indices", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def _context(args: argparse.Namespace) -> Context:
+    cuda = args.device.startswith("cuda")
+    gpus = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 1
+    backends = args.backends or (["triton", "auto", "eager"] if cuda else ["cpp", "eager", "auto"])
+    return Context(args.device, max(gpus, 1), 1 if cuda else 64, Path(args.out or "."), backends)
+
+
+def select(every: list[Check], only: Optional[list[str]], extra: bool, match: Optional[str] = None) -> list[int]:
+    """The indices of the checks a run makes, in order."""
+    return [i for i, c in enumerate(every) if (only is None or c.group in only) and (extra or not c.extra)
+            and (match is None or re.search(match, c.name))]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "gpu_check_out" / time.strftime("%Y%m%d-%H%M%S"))
+    ctx = _context(args)
+    if args.worker:
+        return run_worker(ctx, [int(i) for i in args.indices.split(",") if i])
     cuda = args.device.startswith("cuda")
     if cuda and not args.dry_run and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    gpus = torch.cuda.device_count() if cuda and torch.cuda.is_available() else (1 if cuda else 0)
-    BUDGET[0] = args.budget if args.budget is not None else 450.0 + (MULTI_GPU_S if gpus > 1 else 0.0)
-    backends = args.backends or (["triton", "inductor", "eager", "auto"] if cuda else ["cpp", "eager", "auto"])
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        ctx = Context(args.device, max(gpus, 1), 1 if cuda else 64, Path(tmp), backends)
-        selected = [c for c in checks(ctx) if args.only is None or c.group in args.only]
-        if args.dry_run:
-            for c in selected:
-                need = f", {c.gpus} GPUs" if c.gpus > 1 else ""
-                print(f"{c.group:10s} {c.name:42s} ~{c.seconds:4.0f} s{need}")
-                if c.command:
-                    print(f"{'':10s}   $ {' '.join(c.command)}")
-            total = sum(c.seconds for c in selected if c.gpus <= 1)
-            print(f"{len(selected)} checks, ~{total:.0f} s estimated on one GPU (budget {BUDGET[0]:.0f} s)")
-            return 0
-        print(header(ctx))
-        print(f"{'group':10s} {'check':42s} {'':5s} {'seconds':>7s}  result (x = our time / theirs)")
-        rows = run_checks(selected, ctx, lambda row: print(format_row(row), flush=True))
-        print(summary(rows, time.perf_counter() - ctx.started))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2, default=str))
-    return 1 if any(r.status == "FAIL" for r in rows) else 0
+    budget = args.budget if args.budget is not None else BUDGET_S
+    every = checks(ctx)
+    chosen = select(every, args.only, args.extra, args.match)
+    if args.dry_run:
+        for i in chosen:
+            c = every[i]
+            print(f"{c.group:10s} {c.name:44s} ~{c.seconds:4.0f} s" + (f", {c.gpus} GPUs" if c.gpus > 1 else ""))
+            if c.command:
+                print(f"{'':10s}   $ {' '.join(c.command)}")
+        selected = [every[i] for i in chosen]
+        print(f"{len(chosen)} checks in {len({c.group for c in selected})} workers, "
+              f"~{estimate(selected, ctx.gpus):.0f} s estimated on {ctx.gpus} GPU(s) (budget {budget:.0f} s, "
+              f"limit {LIMIT_S:.0f} s)")
+        return 0
+    out = Path(args.out)
+    title = header(args.device, ctx.gpus, budget)
+    start_output(out, title)
+    print(title, flush=True)
+    started = time.perf_counter()
+    for group in GROUPS:
+        indices = [i for i in chosen if every[i].group == group]
+        fits = [i for i in indices if every[i].gpus <= ctx.gpus]
+        for i in (i for i in indices if i not in fits):
+            append_row(out, group, every[i].name, "SKIP", 0.0, f"needs {every[i].gpus} GPUs, {ctx.gpus} visible")
+        if fits:
+            run_group(args, every, fits, started, budget)
+        for row in read_rows(out):
+            if row["group"] == group:
+                print(f"{row['group']:10s} {row['check']:44s} {row['status']:5s} {float(row['seconds']):6.1f}  "
+                      f"{row['result']}", flush=True)
+    rows = read_rows(out)
+    print(summary(rows, time.perf_counter() - started))
+    print(f"results: {out / 'results.csv'} and {out / 'results.md'}")
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
 
 
 if __name__ == "__main__":

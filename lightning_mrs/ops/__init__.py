@@ -13,6 +13,7 @@
 ``inductor_kernels.py``      backend ``inductor``: the same bodies, compiled
 ``cpu_kernels.py``, ``.cpp`` backend ``cpp``: hand-written one-pass CPU kernels
 ``triton_kernels.py``        backend ``triton``: hand-written CUDA kernels
+``triton_launch.py``         their tiles, warps and grids, as pure functions
 ============================ =====================================================
 """
 
