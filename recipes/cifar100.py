@@ -63,7 +63,7 @@ from recipes.data import ImageDataModule
 from recipes.errors import UsageError
 from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.models import check_input_size
-from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, run_main
+from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes, run_main
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
 
@@ -114,6 +114,7 @@ class CifarCLI(LightningCLI):
             check_checkpoint(ckpt_path, self.model, self.model.hparams)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
+        note_processes(self.config_init.get("trainer") or {})
         plugin = cpu_fp16(self.config_init.get("trainer.precision"), self.config_init.get("trainer.accelerator"))
         if plugin is not None:  # Lightning would run bfloat16 here
             kwargs["precision"], kwargs["plugins"] = None, [*(self.config_init.get("trainer.plugins") or []), plugin]

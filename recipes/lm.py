@@ -91,7 +91,8 @@ from recipes.export_hf import ExportHF
 from recipes.interrupt import SaveOnInterrupt
 from recipes.pretrained_lm import check_vocab
 from recipes.text_data import TextDataModule
-from recipes.training import StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision
+from recipes.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
+                              note_processes)
 
 __all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
            "cpu_fp16", "main", "run"]
@@ -149,18 +150,6 @@ MONITORS: dict[str, tuple[type, str]] = {
     "attention": (AttentionMonitor, "attention"),
 }
 DEFAULT_MONITORS = ["outlier", "homogeneity"]
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _on_cpu(accelerator: Any) -> bool:
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
-    return name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
 
 
 def fp16_plugin(precision: Any, accelerator: Any, strategy: Any) -> Optional[Any]:
@@ -259,7 +248,7 @@ class LMCLI(LightningCLI):
         if notice:
             rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
-        self._note_processes(given)
+        note_processes(given)
         self.model.learning_curve = True  # bpb/* first in TensorBoard, with the unigram baselines
         monitors = list(self._get(self.config, "monitors", default=DEFAULT_MONITORS) or [])
         if "attention" in monitors and self.model.hparams.qk_norm == "none":
@@ -307,17 +296,6 @@ class LMCLI(LightningCLI):
                              f"fails on its first bytes ({type(err).__name__}: {first}); check its sizes.") from None
         finally:
             model.train(was_training)
-
-    @staticmethod
-    def _note_processes(given: dict[str, Any]) -> None:
-        devices = given.get("devices")
-        if isinstance(devices, str) and devices.isdigit():
-            devices = int(devices)
-        cores = _usable_cpus()
-        if _on_cpu(given.get("accelerator", "auto")) and isinstance(devices, int) and devices > cores:
-            rank_zero_info(f"note: --trainer.devices {devices} on the CPU starts {devices} processes on {cores} cores: "
-                           "they share the cores, so each step takes longer than with fewer processes (the global "
-                           "batch stays per-device batch x processes).")
 
 
 def _one_row_per_step(trainer: Any) -> None:
