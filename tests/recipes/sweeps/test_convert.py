@@ -40,7 +40,7 @@ def _cells(out: Path) -> dict[tuple[str, int], dict]:
 
 
 def _text(tmp_path: Path) -> list[str]:
-    """``--dataset text --root DIR``: a few standard-library files (quicker to read than the whole library)."""
+    """``--dataset text --path DIR``: a few standard-library files (quicker to read than the whole library)."""
     from helpers.tokenizers import STDLIB_SAMPLE
 
     text = tmp_path / "text"
@@ -48,7 +48,7 @@ def _text(tmp_path: Path) -> list[str]:
         text.mkdir()
         for name in STDLIB_SAMPLE:
             (text / Path(name).name).write_text(Path(name).read_text())
-    return ["--dataset", "text", "--root", str(text)]
+    return ["--dataset", "text", "--path", str(text)]
 
 
 def _direct_bpb(model: torch.nn.Module, windows: torch.Tensor) -> float:
@@ -181,7 +181,7 @@ def test_convert_on_your_own_checkpoint_and_text(tmp_path: Path, capsys: pytest.
 
 @pytest.mark.parametrize("argv, message", [
     (["--pretrained", "/nonexistent/model"], "--pretrained '/nonexistent/model': no such directory."),
-    (["--dataset", "text"], "--dataset text needs --root FILE_OR_DIR"),
+    (["--dataset", "text"], "--dataset text needs --path FILE_OR_DIR"),
     (["--pretrained", "x/", "--base-steps", "5"], "--base-steps trains the sweep's own base model; with --pretrained"),
     (["--pretrained", "x/", "--arch-kwargs", "{}"], "--arch-kwargs conflicts with --pretrained 'x/'"),
     (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
