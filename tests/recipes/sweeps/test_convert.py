@@ -177,6 +177,22 @@ def test_convert_on_your_own_checkpoint_and_text(tmp_path: Path, capsys: pytest.
     settings = json.loads((out / "settings.json").read_text())
     assert settings["seq_len"] == 32 and settings["base_model"].startswith(f"--pretrained {source}")
     assert "; base model: --pretrained" in (out / "results.md").read_text()
+    progress = capsys.readouterr()
+    assert progress.out.count(f"base model --pretrained {source}") + progress.err.count(
+        f"base model --pretrained {source}") == 2 and "from the cache" not in progress.out + progress.err
+
+
+def test_the_setup_of_a_pretrained_sweep_gives_the_checkpoints_sizes(tmp_path: Path) -> None:
+    from recipes.sweeps.convert import progress_note
+    from recipes.sweeps.settings import sweep_settings
+
+    source = _pretrained(tmp_path / "llama")
+    settings = sweep_settings(parse_args(["--sweep", "convert", "--pretrained", str(source), *_text(tmp_path)]))
+    assert settings["arch"] == "llama"
+    assert settings["arch_kwargs"] == {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "num_key_value_heads": 2, "intermediate_size": 32}  # _pretrained's config
+    assert progress_note({"base_pretrained": str(source), "base_trained": False}) == f", base model --pretrained {source}"
+    assert progress_note({"base_pretrained": None, "base_trained": False}) == ", base model from the cache"
 
 
 @pytest.mark.parametrize("argv, message", [
