@@ -68,8 +68,6 @@ if __name__ == "__main__":  # `python recipes/lm.py`: run this file as the modul
     _sys.exit(run())
 
 import os
-import signal
-import sys
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -85,10 +83,10 @@ from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from recipes.byte_lm import ByteLM, FSDP2Strategy
 from recipes.causal_lm import require_transformers
 from recipes.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
-from recipes.errors import UsageError, report
+from recipes.errors import UsageError
 from recipes.hparams import FINAL, HParamsSummary, RunLogger
 from recipes.export_hf import ExportHF
-from recipes.interrupt import SaveOnInterrupt
+from recipes.interrupt import SaveOnInterrupt, run_resumable
 from recipes.pretrained_lm import check_vocab
 from recipes.text_data import TextDataModule
 from recipes.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
@@ -328,17 +326,6 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
     )
 
 
-def _saver(cli: Optional[LMCLI]) -> Optional[SaveOnInterrupt]:
-    trainer = getattr(cli, "trainer", None)
-    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
-
-
-def _hint(cli: LMCLI, saver: SaveOnInterrupt, argv: list[str]) -> None:
-    if cli.trainer.is_global_zero:
-        last = getattr(cli.trainer.checkpoint_callback, "last_model_path", None) or None
-        print(saver.resume_hint(SCRIPT, argv, last=last), file=sys.stderr, flush=True)
-
-
 def main(args: Optional[list[str]] = None) -> None:
     """Parse the command line, load the text, and fit."""
     cli = build_cli(args)
@@ -347,28 +334,6 @@ def main(args: Optional[list[str]] = None) -> None:
 
 def run(args: Optional[list[str]] = None) -> int:
     """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
-    the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails."""
-    argv = list(sys.argv[1:] if args is None else args)
-    cli: Optional[LMCLI] = None
-    on_sigint = signal.getsignal(signal.SIGINT)
-    try:
-        cli = build_cli(args)
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    except (UsageError, MisconfigurationException) as err:
-        return report(err)
-    except (KeyboardInterrupt, SystemExit) as err:
-        saver = _saver(cli)
-        if isinstance(err, SystemExit) and saver is None:
-            raise  # --help, --print_config: not an interruption
-        signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
-        if saver is None:
-            print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
-        else:
-            _hint(cli, saver, argv)
-        return 130
-    except Exception:
-        saver = _saver(cli)
-        if saver is not None and (saver.saved or saver.unsaved_reason):
-            _hint(cli, saver, argv)
-        raise
-    return 0
+    the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails
+    (:func:`recipes.interrupt.run_resumable`)."""
+    return run_resumable(build_cli, SCRIPT, args)
