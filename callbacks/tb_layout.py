@@ -26,11 +26,13 @@ Example:
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "OUTLIER", "Dashboard", "every_layer", "tensorboard_experiment"]
+__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "OUTLIER", "PER_CHART", "Dashboard", "blocks", "every_layer",
+           "tensorboard_experiment"]
 
 #: the first component of every per-layer tag (after ``val`` in the Time Series' name order)
 LAYERS = "z-layers"
@@ -65,13 +67,33 @@ class Dashboard:
         return f"{LAYERS}/{self.prefix}/{layer or 'root'}/{stat}"
 
     def layout(self, layers: Sequence[str]) -> dict[str, Charts]:
-        """The layout in ``SummaryWriter.add_custom_scalars`` form, for the given layer names."""
-        charts: Charts = {title: ["Multiline", list(tags)] for title, tags in self.charts}
+        """The layout in ``SummaryWriter.add_custom_scalars`` form, for the given layer names.
+
+        The category's charts show the summary (``<prefix>/all``); each block of layers
+        (:func:`blocks`: at most :data:`PER_CHART` layers) gets a category of its own below,
+        ``"<category>: <block>"``, with the same charts over its layers alone, so that every
+        line of a chart can be told apart (the lines of one chart share a colour; a tooltip
+        names the tag).
+        """
+        every = re.escape(f"^({LAYERS}/)?{self.prefix}/.*/")  # the start of every_layer's regexes, as text
+        charts: Charts = {title: ["Multiline", [re.sub(every, lambda _: f"^{self.prefix}/all/", t) for t in tags]]
+                          for title, tags in self.charts}
         if self.band is not None:
             title, stats = self.band
             for layer in layers:
                 charts[title.format(layer=layer or "root")] = ["Margin", [self.tag(layer, s) for s in stats]]
-        return {self.category: charts}
+        out = {self.category: charts}
+        for block in blocks(layers):
+            names = "|".join(re.escape(layer or "root") for layer in block)
+            per_block: Charts = {}
+            for title, tags in self.charts:
+                mine = [re.sub(every, lambda _: f"^{LAYERS}/{self.prefix}/({names})/", t) for t in tags
+                        if re.match(every, t)]
+                if mine:
+                    per_block[title] = ["Multiline", mine]
+            if per_block:
+                out[f"{self.category}: {', '.join(layer or 'root' for layer in block)}"] = per_block
+        return out
 
     def write(self, experiment: Any, layers: Sequence[str]) -> bool:
         """Write this category, with every other one written to ``experiment`` before, through a
@@ -90,6 +112,39 @@ class Dashboard:
         shown.update(self.layout(layers))
         add(dict(shown))
         return True
+
+
+#: the most layers one per-block chart overlays
+PER_CHART = 4
+
+
+def blocks(layers: Sequence[str]) -> list[list[str]]:
+    """``layers`` in model order, cut into runs of at most :data:`PER_CHART`, a block's layers kept
+    together where they fit (a block: the name up to its first numbered part, ``layer1.0``,
+    ``model.layers.3``).
+
+    Example:
+        >>> blocks(["bn1", "layer1.0.bn1", "layer1.0.bn2", "layer1.1.bn1", "layer1.1.bn2", "fc_norm"])
+        [['bn1', 'layer1.0.bn1', 'layer1.0.bn2'], ['layer1.1.bn1', 'layer1.1.bn2', 'fc_norm']]
+    """
+    groups: list[list[str]] = []
+    for layer in layers:
+        parts = layer.split(".")
+        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        key = ".".join(parts[:cut])
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(layer)
+        else:
+            groups.append([key, [layer]])
+    out: list[list[str]] = []
+    for _, members in groups:
+        for i in range(0, len(members), PER_CHART):
+            chunk = members[i:i + PER_CHART]
+            if out and len(out[-1]) + len(chunk) <= PER_CHART:
+                out[-1].extend(chunk)
+            else:
+                out.append(list(chunk))
+    return out
 
 
 def every_layer(prefix: str, stat: str) -> str:

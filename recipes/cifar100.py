@@ -62,10 +62,13 @@ from recipes.classifier import ImageClassifier
 from recipes.data import ImageDataModule
 from recipes.errors import UsageError
 from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
+from recipes.interrupt import SaveOnInterrupt, run_resumable
 from recipes.models import check_input_size
-from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, run_main
+from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
+
+SCRIPT = "recipes/cifar100.py"
 
 class CifarCLI(LightningCLI):
     """LightningCLI with the recipe's callbacks, checkpointing and precision defaults.
@@ -114,6 +117,7 @@ class CifarCLI(LightningCLI):
             check_checkpoint(ckpt_path, self.model, self.model.hparams)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
+        note_processes(self.config_init.get("trainer") or {})
         plugin = cpu_fp16(self.config_init.get("trainer.precision"), self.config_init.get("trainer.accelerator"))
         if plugin is not None:  # Lightning would run bfloat16 here
             kwargs["precision"], kwargs["plugins"] = None, [*(self.config_init.get("trainer.plugins") or []), plugin]
@@ -141,7 +145,7 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
         trainer_defaults={
             "max_epochs": 200,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
-                          HParamsSummary(CLASSIFIER_SUMMARY)],
+                          HParamsSummary(CLASSIFIER_SUMMARY), SaveOnInterrupt()],
         },
         save_config_kwargs={"overwrite": True},
     )
@@ -154,8 +158,10 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run(args: Optional[list[str]] = None) -> int:
-    """:func:`main` with user errors as one stderr line, exit 2."""
-    return run_main(main, args)
+    """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
+    the step running finishes, a checkpoint is saved and the command that resumes printed (exit 130;
+    :func:`recipes.interrupt.run_resumable`)."""
+    return run_resumable(build_cli, SCRIPT, args)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,16 @@ import shlex
 import signal
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-__all__ = ["SaveOnInterrupt", "resume_command"]
+from recipes.errors import UsageError, report
+
+__all__ = ["SaveOnInterrupt", "resume_command", "run_resumable"]
 
 
 def resume_command(script: str, args: Sequence[str], ckpt_path: str) -> str:
@@ -175,3 +178,46 @@ class SaveOnInterrupt(Callback):
                  if last else "; no checkpoint was written yet")
         at = f" at step {self.step}" if self.step is not None else ""
         return f"stopped{at} without a checkpoint{reason}{where}"
+
+
+def _saver(cli: Any) -> Optional[SaveOnInterrupt]:
+    trainer = getattr(cli, "trainer", None)
+    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
+
+
+def _hint(cli: Any, saver: SaveOnInterrupt, script: str, argv: list[str]) -> None:
+    if cli.trainer.is_global_zero:
+        last = getattr(cli.trainer.checkpoint_callback, "last_model_path", None) or None
+        print(saver.resume_hint(script, argv, last=last), file=sys.stderr, flush=True)
+
+
+def run_resumable(build_cli: Callable[[Optional[list[str]]], Any], script: str,
+                  args: Optional[list[str]] = None) -> int:
+    """Build a recipe's CLI (its trainer holding a :class:`SaveOnInterrupt`) and fit: user errors as one
+    stderr line (exit 2), Ctrl-C as a resumable interruption, the checkpoint saved and the command that
+    resumes printed (exit 130); a crash says what it saved and fails. ``script``: the recipe's path as
+    the resume command gives it (``recipes/lm.py``)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    cli: Any = None
+    on_sigint = signal.getsignal(signal.SIGINT)
+    try:
+        cli = build_cli(args)
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
+    except (UsageError, MisconfigurationException) as err:
+        return report(err)
+    except (KeyboardInterrupt, SystemExit) as err:
+        saver = _saver(cli)
+        if isinstance(err, SystemExit) and saver is None:
+            raise  # --help, --print_config: not an interruption
+        signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
+        if saver is None:
+            print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
+        else:
+            _hint(cli, saver, script, argv)
+        return 130
+    except Exception:
+        saver = _saver(cli)
+        if saver is not None and (saver.saved or saver.unsaved_reason):
+            _hint(cli, saver, script, argv)
+        raise
+    return 0

@@ -68,8 +68,6 @@ if __name__ == "__main__":  # `python recipes/lm.py`: run this file as the modul
     _sys.exit(run())
 
 import os
-import signal
-import sys
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -85,13 +83,14 @@ from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from recipes.byte_lm import ByteLM, FSDP2Strategy
 from recipes.causal_lm import require_transformers
 from recipes.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
-from recipes.errors import UsageError, report
+from recipes.errors import UsageError
 from recipes.hparams import FINAL, HParamsSummary, RunLogger
 from recipes.export_hf import ExportHF
-from recipes.interrupt import SaveOnInterrupt
+from recipes.interrupt import SaveOnInterrupt, run_resumable
 from recipes.pretrained_lm import check_vocab
 from recipes.text_data import TextDataModule
-from recipes.training import StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision
+from recipes.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
+                              note_processes)
 
 __all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
            "cpu_fp16", "main", "run"]
@@ -149,18 +148,6 @@ MONITORS: dict[str, tuple[type, str]] = {
     "attention": (AttentionMonitor, "attention"),
 }
 DEFAULT_MONITORS = ["outlier", "homogeneity"]
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _on_cpu(accelerator: Any) -> bool:
-    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
-    return name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
 
 
 def fp16_plugin(precision: Any, accelerator: Any, strategy: Any) -> Optional[Any]:
@@ -259,7 +246,7 @@ class LMCLI(LightningCLI):
         if notice:
             rank_zero_info(notice)
         given = self._get(self.config_init, "trainer", default={})
-        self._note_processes(given)
+        note_processes(given)
         self.model.learning_curve = True  # bpb/* first in TensorBoard, with the unigram baselines
         monitors = list(self._get(self.config, "monitors", default=DEFAULT_MONITORS) or [])
         if "attention" in monitors and self.model.hparams.qk_norm == "none":
@@ -308,17 +295,6 @@ class LMCLI(LightningCLI):
         finally:
             model.train(was_training)
 
-    @staticmethod
-    def _note_processes(given: dict[str, Any]) -> None:
-        devices = given.get("devices")
-        if isinstance(devices, str) and devices.isdigit():
-            devices = int(devices)
-        cores = _usable_cpus()
-        if _on_cpu(given.get("accelerator", "auto")) and isinstance(devices, int) and devices > cores:
-            rank_zero_info(f"note: --trainer.devices {devices} on the CPU starts {devices} processes on {cores} cores: "
-                           "they share the cores, so each step takes longer than with fewer processes (the global "
-                           "batch stays per-device batch x processes).")
-
 
 def _one_row_per_step(trainer: Any) -> None:
     """``--trainer.logger CSVLogger`` becomes :class:`recipes.hparams.StepCSVLogger` (same options, one row a step)."""
@@ -350,17 +326,6 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
     )
 
 
-def _saver(cli: Optional[LMCLI]) -> Optional[SaveOnInterrupt]:
-    trainer = getattr(cli, "trainer", None)
-    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
-
-
-def _hint(cli: LMCLI, saver: SaveOnInterrupt, argv: list[str]) -> None:
-    if cli.trainer.is_global_zero:
-        last = getattr(cli.trainer.checkpoint_callback, "last_model_path", None) or None
-        print(saver.resume_hint(SCRIPT, argv, last=last), file=sys.stderr, flush=True)
-
-
 def main(args: Optional[list[str]] = None) -> None:
     """Parse the command line, load the text, and fit."""
     cli = build_cli(args)
@@ -369,28 +334,6 @@ def main(args: Optional[list[str]] = None) -> None:
 
 def run(args: Optional[list[str]] = None) -> int:
     """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
-    the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails."""
-    argv = list(sys.argv[1:] if args is None else args)
-    cli: Optional[LMCLI] = None
-    on_sigint = signal.getsignal(signal.SIGINT)
-    try:
-        cli = build_cli(args)
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=cli.config.get("ckpt_path"))
-    except (UsageError, MisconfigurationException) as err:
-        return report(err)
-    except (KeyboardInterrupt, SystemExit) as err:
-        saver = _saver(cli)
-        if isinstance(err, SystemExit) and saver is None:
-            raise  # --help, --print_config: not an interruption
-        signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
-        if saver is None:
-            print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
-        else:
-            _hint(cli, saver, argv)
-        return 130
-    except Exception:
-        saver = _saver(cli)
-        if saver is not None and (saver.saved or saver.unsaved_reason):
-            _hint(cli, saver, argv)
-        raise
-    return 0
+    the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails
+    (:func:`recipes.interrupt.run_resumable`)."""
+    return run_resumable(build_cli, SCRIPT, args)

@@ -30,7 +30,7 @@ Run from the repository root:
     # --quick: one seed, lrs 0.01 1, 40 steps
     python recipes/stress.py --sweep lm --jobs 2
     # QK-norms none layer rms mrs of the same Llama (its RMSNorms stay), bf16; lrs 0.001 0.003 0.01 0.03
-    # 0.1 0.3 1; your own text: --dataset text --root FILE_OR_DIR
+    # 0.1 0.3 1; your own text: --dataset text --path FILE_OR_DIR
     python recipes/stress.py --sweep lm-qk --jobs 2
     # what converting a trained model costs: a 2 x 64 Llama trained 600 steps per seed with its RMSNorms (cached
     # in $LIGHTNING_MRS_CACHE/convert_base), swapped per arm (continue, mrs-inherit, mrs-calibrate, the rms
@@ -38,7 +38,7 @@ Run from the repository root:
     # the base model, the calibration batch and the healing data order); --seq-len N for every LM sweep
     python recipes/stress.py --sweep convert --jobs 1
     # on your own checkpoint (a save_pretrained directory with its tokenizer) and text
-    python recipes/stress.py --sweep convert --pretrained DIR --dataset text --root CORPUS --seq-len 256
+    python recipes/stress.py --sweep convert --pretrained DIR --dataset text --path CORPUS --seq-len 256
     # on your own images (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/*), any recipe model
     python recipes/stress.py --dataset folder --root DIR --epochs 30 --arch resnet50 --image-size 64
 

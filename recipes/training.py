@@ -8,6 +8,7 @@ data module and a LightningCLI subclass; everything else they have in common liv
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import lightning.pytorch as pl
@@ -103,6 +104,37 @@ def cpu_fp16(precision: Any, accelerator: Any) -> Optional[Any]:
     from lightning.pytorch.plugins import MixedPrecision
 
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+def usable_cpus() -> int:
+    """The CPU cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def on_cpu(accelerator: Any) -> bool:
+    """Whether ``--trainer.accelerator`` (a name or an accelerator object) runs on the CPU here."""
+    name = accelerator if isinstance(accelerator, str) else type(accelerator).__name__.lower()
+    return name == "cpu" or "cpuaccelerator" in name or (name == "auto" and not torch.cuda.is_available())
+
+
+def note_processes(given: Any) -> None:
+    """One notice when ``--trainer.devices`` starts more CPU processes than there are cores
+    (``given``: the ``trainer`` options as given); the run goes on.
+
+    Example:
+        >>> note_processes({"accelerator": "cpu", "devices": 1})  # never more than the cores: silent
+    """
+    devices = given.get("devices")
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    cores = usable_cpus()
+    if on_cpu(given.get("accelerator", "auto")) and isinstance(devices, int) and devices > cores:
+        rank_zero_info(f"note: --trainer.devices {devices} on the CPU starts {devices} processes on {cores} cores: "
+                       "they share the cores, so each step takes longer than with fewer processes (the global "
+                       "batch stays per-device batch x processes).")
 
 
 def check_model_options(*, norm: str, norms: Sequence[str], qk_norm: str, schedule: str, warmup_frac: float,

@@ -9,7 +9,6 @@ layers (``qk_norm``) are planned by :mod:`lightning_mrs.swap.attention`.
 from __future__ import annotations
 
 import warnings
-from fnmatch import fnmatchcase
 from typing import Any, Optional, Union
 
 from torch import nn
@@ -22,31 +21,9 @@ from lightning_mrs.swap.hf_record import record_in_configs
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport, by_reason, check_report
 from lightning_mrs.swap.rewire import rewire
+from lightning_mrs.swap.selectors import check_selectors, deselected
 
 __all__ = ["swap_norms"]
-
-
-def _matches(module: nn.Module, names: list[str], selectors: tuple[Union[str, type], ...]) -> Optional[str]:
-    """The first selector that picks ``module`` (by type) or one of its names (by pattern,
-    the pattern matching the name or any ancestor's name)."""
-    for sel in selectors:
-        if isinstance(sel, type):
-            if isinstance(module, sel):
-                return sel.__qualname__
-            continue
-        for name in names:
-            parts = name.split(".")
-            if any(fnmatchcase(".".join(parts[:i]), sel) for i in range(1, len(parts) + 1)):
-                return repr(sel)
-    return None
-
-
-def _deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Optional[str]:
-    """Why ``include``/``exclude`` leave ``module`` out, or ``None``."""
-    hit = _matches(module, names, opts.exclude) if opts.exclude else None
-    if hit is not None:
-        return f"excluded by exclude={hit}"
-    return "not matched by include" if opts.include and _matches(module, names, opts.include) is None else None
 
 
 def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", *,
@@ -108,7 +85,14 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
         for attr, child in vars(parent).get("_modules", {}).items():
             if child is not None:
                 names.setdefault(id(child), []).append(f"{parent_name}.{attr}" if parent_name else attr)
-    qk = plan_attention(model, opts, report, lambda module, qk_names: _deselected(opts, module, qk_names))
+    qk_names: list[str] = []  # the names of QK-norms the swap would add: include/exclude may pick them
+
+    def qk_deselected(module: nn.Module, added: list[str]) -> Optional[str]:
+        qk_names.extend(added)
+        return deselected(opts, module, added)
+
+    qk = plan_attention(model, opts, report, qk_deselected)
+    check_selectors("swap_norms", opts, model, [n for ns in names.values() for n in ns] + qk_names)
 
     # 2. plan: what each distinct norm becomes, or why it stays
     plans: dict[int, tuple[str, nn.Module, NormSpec, Plan]] = {}  # id(old norm) -> (first name, old, spec, plan)
@@ -129,9 +113,9 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
             if strict and not user:
                 problems.append(f"{name or '<root>'} ({type(module).__qualname__}): {reason}")
 
-        deselected = _deselected(opts, module, all_names)
-        if deselected is not None:
-            skip(deselected, user=True)
+        why = deselected(opts, module, all_names)
+        if why is not None:
+            skip(why, user=True)
             continue
         if spec.unsupported:
             skip(spec.unsupported)

@@ -98,9 +98,12 @@ class SwapOptions:
         spatial: channels-first sources only. ``"auto"``: BatchNorm/GroupNorm/InstanceNorm
             become per-sample (one scale per sample over all positions), LayerNorm2d/RmsNorm2d
             stay per-position; ``True``/``False`` force per-sample / per-position.
-        include: only swap norms of these types or whose dotted name (or an ancestor's)
-            matches one of these fnmatch patterns; others are skipped and reported.
-        exclude: never swap these (wins over ``include``).
+        include: only swap norms of these types or whose whole dotted name (or an ancestor's)
+            matches one of these fnmatch patterns; others are skipped and reported. On a Qwen3,
+            ``"model.layers.0"`` picks the first block's norms (an ancestor's whole name),
+            ``"*.q_norm"`` every query norm (a glob); ``"q_norm"`` (a part of a name) picks nothing.
+            An entry that picks no module raises (:mod:`lightning_mrs.swap.selectors`).
+        exclude: never swap these (wins over ``include``); the same matching.
         init: ``"inherit"``: new weights from the old ones (an MRS phasor weight is the mean of
             its two channels' weights, so zero-init residual branches stay zero; a bias and
             BatchNorm running statistics are dropped where the target has none); ``"ones"``:

@@ -131,13 +131,17 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
     for name, record in records.items():
         kind = _TARGET_OF_KIND.get(record["kind"])
         if record.get("qk"):
-            if kind is not None:  # else the layer's own QK-norm, left as it was: a fresh model has it
+            # kind None: the layer's own QK-norm, left as it was (a fresh model has it); a layer this
+            # model lacks: another model, which the comparison below reports
+            if kind is not None and name.rpartition(".")[0] in modules:
                 qk_groups.setdefault((kind, record["eps"]), []).append(_literal(name))
             continue
         if name not in modules and name.endswith(".norm") and name[: -len(".norm")] in modules:
             name = name[: -len(".norm")]  # the fused norm+act layer this norm came from
         if kind is None:
             raise ValueError(f"{name}: a recorded {record['kind']!r} layer is not one a swap builds")
+        if name not in modules:  # another model: swap what matches, the comparison below lists the rest
+            continue
         spatial = record["spatial"] if record["channel_dim"] == 1 else "auto"
         groups.setdefault((target or kind, spatial, record["eps"]), []).append(_literal(name))
     with warnings.catch_warnings():  # a model that cannot match gets the error below, not a warning too
@@ -189,8 +193,10 @@ def rebuild_v1(model: nn.Module, record: dict[str, Any]) -> None:
             f"its fit). Call lightning_mrs.swap_norms(model, {target!r}, spatial={spatial!r}, eps={eps!r}) with the "
             "training options yourself, then model.load_state_dict(checkpoint['state_dict'])."
         )
-    report = swap_norms(model, target, spatial=spatial, eps=eps, include=[_literal(n) for n in names], init="ones")
-    missing = [name for name in names if name not in report.converted]
+    present = {n for n, _ in model.named_modules()}  # a name the model lacks is missing below, not a bad pattern
+    include = [_literal(n) for n in names if n in present]
+    converted = swap_norms(model, target, spatial=spatial, eps=eps, include=include, init="ones").converted if include else []
+    missing = [name for name in names if name not in converted]
     if missing:
         raise ValueError(
             f"the record converted {missing[:5]}, which this model does not have as norm layers to swap. "

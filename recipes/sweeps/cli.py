@@ -27,14 +27,14 @@ PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "ac
 DATASETS = ("digits", "cifar100", "folder", "synthetic", "stdlib", "text")
 # the recipes' (recipes/cifar100.py, recipes/lm.py) option names, as the sweep calls them
 _RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "--arch-kwargs"),
-                 ("--model.arch", "--arch"), ("--data.path", "--root"),
+                 ("--model.arch", "--arch"), ("--data.path", "--path"),
                  ("--data.image_size", "--image-size"), ("--data.batch_size", "--batch-sizes"),
                  ("--data.dataset", "--dataset"), ("--data.root", "--root"), ("--data.val_fraction", "the split"),
                  ("--model.mrs_backend", "--mrs-backend"), ("--model.warmup_frac", "--warmup-frac"),
                  ("--model.schedule", "--schedule"), ("--trainer.precision", "--precision"),
                  ("--model.pretrained", "--pretrained"))
 # the recipes' fixes that name an option the sweep does not have
-_RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fraction.", ": add text to --root."),
+_RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fraction.", ": add text to --path."),
                  (", or lower --data.seq_len.", "."))
 QUICK_NOTE = ("--quick runs one seed per cell, so every claim of its report is inconclusive by construction "
               "(a verdict needs at least 2 seeds of every cell a claim compares; the full grid runs 3)")
@@ -150,11 +150,14 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
                         "--root (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/* with 20 %% of each class "
                         "held out, split seed 0: the recipe's folder dataset); synthetic: the offline "
                         "CIFAR-100-shaped stand-in; language-model sweeps: stdlib (the Python standard library's "
-                        "sources) or text (your UTF-8 text files in --root) "
+                        "sources) or text (your UTF-8 text files in --path) "
                         + per_kind(lambda k: k.default_dataset))
     d.add_argument("--root",
-                   help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder; "
-                        "with --dataset text, the text file or folder (default: data)")
+                   help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder "
+                        "(the image recipe's --data.root; default: data)")
+    d.add_argument("--path",
+                   help="with --dataset text: the text file or folder (lm.py's --data.path; --root, its older name, "
+                        "still works)")
     d.add_argument("--seq-len", type=int,
                    help="language-model sweeps: tokens (bytes, or the --pretrained tokenizer's tokens) per window "
                         + where_set("seq_len"))
@@ -248,8 +251,17 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         p.error(f"--sweep {sweep.name} has no defaults for --dataset {args.dataset}; choose one of "
                 f"{list(sweep.datasets)}")
     defaults = sweep.datasets[args.dataset]
-    if args.dataset == "text" and args.root is None:
-        p.error("--dataset text needs --root FILE_OR_DIR (your UTF-8 text files)")
+    if args.path is not None and args.dataset != "text":
+        p.error(f"--path is the text of --dataset text; --dataset {args.dataset} reads --root")
+    if args.dataset == "text":  # one name with lm.py (--data.path); --root was the sweep's name for it
+        if args.path is not None and args.root is not None:
+            p.error("--path and --root both name the text; give --path only")
+        if args.root is not None:
+            print("note: --root for --dataset text is now --path (as lm.py's --data.path); --root still works",
+                  file=sys.stderr)
+        args.root = args.path if args.path is not None else args.root
+        if args.root is None:
+            p.error("--dataset text needs --path FILE_OR_DIR (your UTF-8 text files)")
     args.root = "data" if args.root is None else args.root
     base_steps_given = args.base_steps is not None
     for flag, key in (("--seq-len", "seq_len"), ("--base-steps", "base_steps")):

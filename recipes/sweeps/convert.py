@@ -28,6 +28,8 @@ Needs no torch.
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import math
 import statistics
@@ -205,16 +207,29 @@ def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
             f"trained once per seed with its own RMSNorms: {args.base_steps} AdamW steps at peak lr {BASE_LR:g}, "
             f"{100 * BASE_WARMUP:g} % warm-up then cosine, the sweep's batch size and weight decay, cached "
             "(recipes/sweeps/convert_cell.py)")
-    return {"sweep": args.sweep.name, "seq_len": args.seq_len, "val_windows": d["val_windows"],
+    model = _pretrained_config(pretrained) if pretrained else {}  # the checkpoint's sizes, not the sweep's defaults
+    return {**model, "sweep": args.sweep.name, "seq_len": args.seq_len, "val_windows": d["val_windows"],
             "base_model": base, "eval_steps": eval_steps(args.max_steps), "gradient_clip_val": 1.0,
             "calibration": "one batch (the sweep's batch size) of training windows, drawn with the cell's seed",
             "margin_bpb": MARGIN_BPB, "precision": args.precision or d["precision"]}
 
 
+def _pretrained_config(path: str) -> dict[str, Any]:
+    """``arch`` and ``arch_kwargs`` (the fields of :data:`CONVERT_CONFIG`) as the ``--pretrained`` checkpoint has them."""
+    if not os.path.isfile(os.path.join(path, "config.json")):  # a hub name, or a mistake the model's load reports
+        return {"arch": f"the --pretrained {path}'s", "arch_kwargs": f"the --pretrained {path}'s config"}
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    return {"arch": config.model_type,
+            "arch_kwargs": {key: getattr(config, key) for key in CONVERT_CONFIG if hasattr(config, key)}}
+
+
 def progress_note(record: Mapping[str, Any]) -> str:
     step0 = record.get("bpb_step0")
-    return (f", step-0 bpb {step0:.3f}" if isinstance(step0, float) else "") + (
-        ", base model trained" if record.get("base_trained") else ", base model from the cache")
+    base = (f", base model --pretrained {record['base_pretrained']}" if record.get("base_pretrained") else
+            ", base model trained" if record.get("base_trained") else ", base model from the cache")
+    return (f", step-0 bpb {step0:.3f}" if isinstance(step0, float) else "") + base
 
 
 CONVERT = Sweep(

@@ -267,6 +267,7 @@ def run_convert_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str
         "calib_err_inherit": _median([e[0] for e in calibrated.values()]),
         "calib_err_fitted": _median([e[1] for e in calibrated.values()]),
         "base_trained": trained, "base_s": round(base_s, 2), "base_cache": str(path) if path else None,
+        "base_pretrained": os.path.abspath(args.pretrained) if args.pretrained else None,
         "tb_run": "",
         "healing": [{"arm": arm, "lr": lr, "batch_size": batch_size, "seed": seed, "step": s, "val_bpb": b}
                     for s, b, _ in points],

@@ -25,7 +25,7 @@ _SPLITS = {
     "synthetic": "generated training and validation sets",
     "stdlib": "the standard library's files split by file (recipes/text_data.py: 10 % of the files held out, split "
               "seed 0); random training windows, a fixed set of validation windows",
-    "text": "the text files in --root split by file (recipes/text_data.py: 10 % of the files held out, split seed 0; "
+    "text": "the text files in --path split by file (recipes/text_data.py: 10 % of the files held out, split seed 0; "
             "one file: cut in two); random training windows, a fixed set of validation windows",
 }
 _KEEP = ("dataset", "image_size", "augment", "arch", "arch_kwargs", "cifar_stem", "epochs", "max_steps", "warmup_frac",

@@ -356,9 +356,13 @@ def test_tensorboard_layout_shows_both_monitors(tmp_path: Path) -> None:
     last = acc.Tensors("custom_scalars__config__")[-1]  # TensorBoard shows the last layout of a run
     layout = layout_pb2.Layout.FromString(last.tensor_proto.string_val[0])
     categories = {c.title: c for c in layout.category}
-    assert categories.keys() == {"Phasor homogeneity", "Attention"}
+    assert {"Phasor homogeneity", "Attention"} <= categories.keys()
     tags = [t for c in categories["Attention"].chart for t in c.multiline.tag]
-    assert r"^(z-layers/)?attention/.*/logit_max$" in tags and r"^(z-layers/)?attention/.*/k_norm_mean$" in tags
+    assert r"^attention/all/logit_max$" in tags and r"^attention/all/k_norm_mean$" in tags
+    blocks = [c for title, c in categories.items() if title.startswith("Attention: ")]
+    assert [c.title for c in blocks] == ["Attention: net.blocks.0.attn, net.blocks.1.attn"]
+    tags = [t for c in blocks[0].chart for t in c.multiline.tag]
+    assert r"^z-layers/attention/(net\.blocks\.0\.attn|net\.blocks\.1\.attn)/logit_max$" in tags
 
 
 def test_state_dict_round_trip() -> None:

@@ -80,3 +80,8 @@ def test_no_compile_stance_is_left_behind(eager):
 def test_monitors_under_inductor(eager):
     compiled = _run("init", backend="inductor")
     assert compiled.keys() == eager.keys()
+    # Inductor's steps round differently, so the weights drift: measured 1.0e-6 at most over 12 steps (docs/monitors.md)
+    for tag, series in eager.items():
+        assert compiled[tag].keys() == series.keys(), tag
+        for step, value in series.items():
+            assert compiled[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), (tag, step)

@@ -28,7 +28,7 @@ from helpers.monitors import assert_state_round_trip, tensorboard_run
 from helpers.outliers import PLANTED, all_figure, planted_net, planted_reference
 from helpers.recording_logger import RecordingLogger, monitor_tag
 from lightning_mrs.callbacks import GradientHomogeneityMonitor, OutlierMonitor
-from lightning_mrs.callbacks.tb_layout import OUTLIER, every_layer
+from lightning_mrs.callbacks.tb_layout import OUTLIER
 from lightning_mrs.outlier_stats import FIGURE_NAMES
 
 BATCH, GLOBAL_BATCH, STEPS = 8, 8, 2
@@ -213,10 +213,14 @@ def test_the_figure_of_0_2_0_under_its_old_name(recording_logger: RecordingLogge
     assert monitor.figures == ("absmax", "x2_over_fp16_frac")
     fit(TinyModule(planted_net), steps=1, logger=recording_logger, callbacks=[monitor])
     assert outlier_tags(recording_logger).keys() == {"outlier/all/absmax", "outlier/all/x2_over_fp16_frac"}
-    charts = OUTLIER.layout([])[OUTLIER.category]
+    layout = OUTLIER.layout(["net.1"])
+    charts, per_layer = layout[OUTLIER.category], layout[f"{OUTLIER.category}: net.1"]
     (_, chart), = [value for title, value in charts.items() if title.startswith("x2_over_fp16_frac")]
+    (_, layer_chart), = [value for title, value in per_layer.items() if title.startswith("x2_over_fp16_frac")]
     assert [any(re.match(p, tag) for p in chart) for tag in ("outlier/all/x2_over_fp16_frac",
-            "outlier/all/fp16_overflow_frac", "z-layers/outlier/net.1/fp16_overflow_frac")] == [True, True, True]
+            "outlier/all/fp16_overflow_frac")] == [True, True]
+    assert [any(re.match(p, tag) for p in layer_chart) for tag in ("z-layers/outlier/net.1/x2_over_fp16_frac",
+            "z-layers/outlier/net.1/fp16_overflow_frac")] == [True, True]
     tb = TensorBoardLogger(tmp_path, name="tb")
     fit(TinyModule(planted_net), steps=1, logger=tb, callbacks=[OutlierMonitor(per_layer=False)])
     assert set(chart) <= set(tensorboard_run(tb.log_dir)[1][OUTLIER.category])  # the layout the run wrote
@@ -305,8 +309,11 @@ def test_tensorboard_layout_shows_every_monitor(tmp_path: Path) -> None:
     fit(TinyModule(planted_net), steps=2, logger=tb, callbacks=[GradientHomogeneityMonitor(), OutlierMonitor()])
     steps_of, layout = tensorboard_run(tb.log_dir)
     assert steps_of("z-layers/outlier/net.4.norm/rms_share") == [0, 1]
-    assert layout.keys() == {"Phasor homogeneity", "Activation outliers"}
-    assert {every_layer("outlier", "kurtosis"), r"^outlier/all/mrs_share$"} <= set(layout["Activation outliers"])
+    assert layout.keys() == {"Phasor homogeneity", "Activation outliers", "Phasor homogeneity: net.1, net.3, net.4.norm",
+                             "Activation outliers: net.1, net.3, net.4.norm, net.4.odd_norm"}
+    assert {r"^outlier/all/kurtosis$", r"^outlier/all/mrs_share$"} <= set(layout["Activation outliers"])
+    assert r"^z-layers/outlier/(net\.1|net\.3|net\.4\.norm|net\.4\.odd_norm)/kurtosis$" in set(
+        layout["Activation outliers: net.1, net.3, net.4.norm, net.4.odd_norm"])
 
 
 def test_state_dict_round_trip() -> None:

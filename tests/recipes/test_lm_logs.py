@@ -95,10 +95,10 @@ def test_the_progress_bar_counts_the_runs_steps(tmp_path: Path, lm: LMRun) -> No
 
 def test_more_cpu_processes_than_cores_is_one_notice(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
-    import recipes.lm
+    import recipes.training
     from recipes.lm import build_cli
 
-    monkeypatch.setattr(recipes.lm, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(recipes.training, "usable_cpus", lambda: 2)
     monkeypatch.setattr("sys.argv", ["lm.py"])
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
     build_cli([*TINY, "--trainer.devices", "4", "--trainer.default_root_dir", str(tmp_path)])  # nothing starts yet

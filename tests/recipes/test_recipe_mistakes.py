@@ -110,3 +110,24 @@ def test_fp16_on_the_cpu_is_real_fp16_with_a_scaler(tmp_path: Path) -> None:
     scalars = event_scalars(tmp_path / "lightning_logs" / "version_0")
     # the monitor logs the GradScaler's scale: there is one (65536 to start, torch's default)
     assert scalars["phasor/all/loss_scale"][0][1] == 65536.0
+
+
+def test_more_cpu_processes_than_cores_is_one_notice_in_the_image_recipe(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    import logging
+
+    import recipes.training
+    from recipes.cifar100 import build_cli
+
+    monkeypatch.setattr(recipes.training, "usable_cpus", lambda: 2)
+    monkeypatch.setattr("sys.argv", ["cifar100.py"])
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    args = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "synthetic",
+            "--trainer.default_root_dir", str(tmp_path)]
+    build_cli([*args, "--trainer.devices", "4"])  # nothing starts yet
+    assert [m for m in caplog.messages if m.startswith("note: --trainer.devices")] == [
+        "note: --trainer.devices 4 on the CPU starts 4 processes on 2 cores: they share the cores, so each step "
+        "takes longer than with fewer processes (the global batch stays per-device batch x processes)."]
+    caplog.clear()
+    build_cli([*args, "--trainer.devices", "2"])
+    assert not [m for m in caplog.messages if m.startswith("note: --trainer.devices")]

@@ -40,7 +40,7 @@ def _cells(out: Path) -> dict[tuple[str, int], dict]:
 
 
 def _text(tmp_path: Path) -> list[str]:
-    """``--dataset text --root DIR``: a few standard-library files (quicker to read than the whole library)."""
+    """``--dataset text --path DIR``: a few standard-library files (quicker to read than the whole library)."""
     from helpers.tokenizers import STDLIB_SAMPLE
 
     text = tmp_path / "text"
@@ -48,7 +48,7 @@ def _text(tmp_path: Path) -> list[str]:
         text.mkdir()
         for name in STDLIB_SAMPLE:
             (text / Path(name).name).write_text(Path(name).read_text())
-    return ["--dataset", "text", "--root", str(text)]
+    return ["--dataset", "text", "--path", str(text)]
 
 
 def _direct_bpb(model: torch.nn.Module, windows: torch.Tensor) -> float:
@@ -177,11 +177,27 @@ def test_convert_on_your_own_checkpoint_and_text(tmp_path: Path, capsys: pytest.
     settings = json.loads((out / "settings.json").read_text())
     assert settings["seq_len"] == 32 and settings["base_model"].startswith(f"--pretrained {source}")
     assert "; base model: --pretrained" in (out / "results.md").read_text()
+    progress = capsys.readouterr()
+    assert progress.out.count(f"base model --pretrained {source}") + progress.err.count(
+        f"base model --pretrained {source}") == 2 and "from the cache" not in progress.out + progress.err
+
+
+def test_the_setup_of_a_pretrained_sweep_gives_the_checkpoints_sizes(tmp_path: Path) -> None:
+    from recipes.sweeps.convert import progress_note
+    from recipes.sweeps.settings import sweep_settings
+
+    source = _pretrained(tmp_path / "llama")
+    settings = sweep_settings(parse_args(["--sweep", "convert", "--pretrained", str(source), *_text(tmp_path)]))
+    assert settings["arch"] == "llama"
+    assert settings["arch_kwargs"] == {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "num_key_value_heads": 2, "intermediate_size": 32}  # _pretrained's config
+    assert progress_note({"base_pretrained": str(source), "base_trained": False}) == f", base model --pretrained {source}"
+    assert progress_note({"base_pretrained": None, "base_trained": False}) == ", base model from the cache"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--pretrained", "/nonexistent/model"], "--pretrained '/nonexistent/model': no such directory."),
-    (["--dataset", "text"], "--dataset text needs --root FILE_OR_DIR"),
+    (["--dataset", "text"], "--dataset text needs --path FILE_OR_DIR"),
     (["--pretrained", "x/", "--base-steps", "5"], "--base-steps trains the sweep's own base model; with --pretrained"),
     (["--pretrained", "x/", "--arch-kwargs", "{}"], "--arch-kwargs conflicts with --pretrained 'x/'"),
     (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),

@@ -17,7 +17,7 @@ from recipes.sweeps.runner import run
      "error: --arch-kwargs: llama's max_position_embeddings is 16, fewer than the 64 positions of a window ("
      "--seq-len 64): raise it or drop it (it defaults to --seq-len)."),
     ("small folder", "error: --seq-len 64 needs at least 65 bytes in each split, but {root} (2 files, "
-                     "16 bytes) gives training 4 and validation 12 bytes: add text to --root."),
+                     "16 bytes) gives training 4 and validation 12 bytes: add text to --path."),
 ])
 def test_lm_sweep_mistakes_name_the_sweeps_options(tmp_path: Path, argv: list[str] | str, expected: str,
                                                    capsys: pytest.CaptureFixture,
@@ -27,10 +27,29 @@ def test_lm_sweep_mistakes_name_the_sweeps_options(tmp_path: Path, argv: list[st
         root.mkdir()
         (root / "a.txt").write_text("hello world\n")
         (root / "b.txt").write_text("abc\n")
-        argv, expected = ["--dataset", "text", "--root", str(root)], expected.format(root=root)
+        argv, expected = ["--dataset", "text", "--path", str(root)], expected.format(root=root)
     out = tmp_path / "sweep"
     status = run(["--sweep", "lm", "--quick", *argv, "--out", str(out)])
     line = error_line(status, capsys.readouterr().err)
     assert line == expected or line.startswith(expected), line
     assert "--model." not in line and "--data." not in line  # recipes/lm.py's names, which stress.py does not take
     assert not out.exists()  # nothing written: the corrected command starts clean
+
+
+def test_the_text_is_path_as_in_lm_py_and_root_still_works_with_a_note(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    from recipes.stress import parse_args
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello\n")
+    args = parse_args(["--sweep", "lm", "--dataset", "text", "--path", str(text)])
+    assert args.root == str(text) and capsys.readouterr().err == ""
+    args = parse_args(["--sweep", "lm", "--dataset", "text", "--root", str(text)])  # the older name
+    assert args.root == str(text)
+    assert capsys.readouterr().err == ("note: --root for --dataset text is now --path (as lm.py's --data.path); "
+                                       "--root still works\n")
+    for argv, message in ((["--dataset", "text", "--path", "a", "--root", "b"], "--path and --root both name the text"),
+                          (["--dataset", "stdlib", "--path", "a"], "--path is the text of --dataset text")):
+        with pytest.raises(SystemExit):
+            parse_args(["--sweep", "lm", *argv])
+        assert message in capsys.readouterr().err
