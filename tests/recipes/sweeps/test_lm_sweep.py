@@ -81,7 +81,7 @@ def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: P
     md = (out / "results.md").read_text()
     assert md.startswith("# Language-model norm stress sweep (stdlib)") and "- data: stdlib of Python" in md
     assert "| lr | batch | arm | seeds | final val bpb | best val bpb | divergence | skipped |" in md
-    assert md.count("| inconclusive |") == 7 and "P1: Numerical explosion" in md and "counts as 8 bpb" in md
+    assert md.count("| inconclusive |") == 9 and "P1: Numerical explosion" in md and "counts as 8 bpb" in md
     assert "P1h: Numerical explosion as the paper states it" in md and "**Seeds needed.**" in md
     assert "- P1: 2 comparisons without an interval, so no spread to plan from" in md
     # the mechanism stress of the fp32 model at lr 0.01: its arms, 13 magnitudes, its section and figure
