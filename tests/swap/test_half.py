@@ -262,3 +262,17 @@ def test_qk_norm_true_needs_a_qk_kind_and_odd_widths_are_skipped() -> None:
     with pytest.warns(UserWarning, match="converted none"):
         report = swap_norms(nn.Sequential(nn.Linear(4, 7), nn.LayerNorm(7)), "mrs-half-safe")
     assert report.skipped == {"1": "odd channel count 7: MRSNorm pairs adjacent channels; keep or exclude this norm"}
+
+
+def test_the_naive_rms_backward_overflows_at_a_small_rms() -> None:
+    """autograd's rsqrt backward forms rsqrt(mean(x^2))^3 in float16, past 65504 where the token's RMS is below
+    65504^(-1/3) = 0.0248 (earlier with a large incoming gradient): the naive RMSNorm's gradient is non-finite
+    there (a Llama's residual stream starts at about 0.02); the safe arms' is not."""
+    for scale, finite in ((1.0, True), (0.1, True), (0.02, False)):
+        x = torch.full((2, 32), scale, dtype=torch.float16, requires_grad=True)
+        RMSNormHalf(32)(x).float().pow(2).sum().backward()
+        assert bool(torch.isfinite(x.grad).all()) == finite, scale
+    for cls in SAFE:
+        x = torch.full((2, 32), 0.02, dtype=torch.float16, requires_grad=True)
+        cls(32)(x).float().pow(2).sum().backward()
+        assert torch.isfinite(x.grad).all()
