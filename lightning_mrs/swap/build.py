@@ -12,14 +12,16 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
-from lightning_mrs.swap.half import MRSNormHalf, RMSNormHalf
+from lightning_mrs.swap.half import MRSNormHalf, MRSNormHalfSafe, RMSNormHalf, RMSNormHalfSafe
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
 
 __all__ = ["DEFAULT_EPS", "Plan", "accelerate_hooked", "build_replacement", "offloaded", "plan_replacement"]
 
 _PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one statistic per sample
-_HALF = {"rms-half": RMSNormHalf, "mrs-half": MRSNormHalf}  # the experimental targets computed in the input's dtype
+#: the experimental targets computed in the input's dtype (squares formed; "-safe": no intermediate overflow)
+_HALF = {"rms-half": RMSNormHalf, "mrs-half": MRSNormHalf, "rms-half-safe": RMSNormHalfSafe,
+         "mrs-half-safe": MRSNormHalfSafe}
 #: the eps of a new norm whose source has none (an added QK-norm, a norm without ``eps``)
 DEFAULT_EPS = 1e-6
 
@@ -63,7 +65,7 @@ def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: ob
                     "(keep it, exclude it, or use target='rms'/'mrs')")
         if spec.kind == target:
             return None
-        if target == "mrs-half" and spec.num_channels % 2:
+        if target.startswith("mrs-") and spec.num_channels % 2:
             return f"odd channel count {spec.num_channels}: MRSNorm pairs adjacent channels; keep or exclude this norm"
         return Plan(_HALF[target].__name__, lambda c, e, a, dd: _HALF[target](c, e, a, **dd))
     if spec.channel_dim == -1:
@@ -117,7 +119,7 @@ def _offset(module: nn.Module, spec: NormSpec) -> float:
 
 def _per_channel(weight: Tensor, old_kind: str) -> Tensor:
     """The old weight as one value per channel (an MRS weight holds one per phasor)."""
-    return weight.repeat_interleave(2) if old_kind in ("mrs", "mrs-half") else weight
+    return weight.repeat_interleave(2) if old_kind in ("mrs", "mrs-half", "mrs-half-safe") else weight
 
 
 @torch.no_grad()

@@ -11,10 +11,12 @@ from typing import Any, Iterable, Optional, Union
 
 from torch import nn
 
-__all__ = ["QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
+__all__ = ["HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
-#: "rms-half", "mrs-half": experimental baselines computed in the input's dtype (lightning_mrs.swap.half)
-SWAP_TARGETS = ("mrs", "rms", "layer", "rms-half", "mrs-half")
+#: experimental baselines computed in the input's dtype (lightning_mrs.swap.half): squares formed (overflow in
+#: float16 from |x| = 256) and "-safe" (no intermediate overflow)
+HALF_TARGETS = ("rms-half", "mrs-half", "rms-half-safe", "mrs-half-safe")
+SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS)
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
 _QK_KINDS = ("mrs", "rms", "layer")
@@ -83,8 +85,10 @@ class SwapOptions:
         target: ``"mrs"`` (MRSNorm / MRSNorm2d), or the baselines ``"rms"`` (nn.RMSNorm /
             RMSNorm2d) and ``"layer"`` (nn.LayerNorm / LayerNorm2d / GroupNorm(1, C)), or
             ``None``: the body's norms stay as they are (vary the QK-norm alone, ``qk_norm``).
-            Experimental: ``"rms-half"``/``"mrs-half"`` compute in the input's dtype (the paper's
-            half-precision setting, :mod:`lightning_mrs.swap.half`; channels-last norms only).
+            Experimental: ``"rms-half"``/``"mrs-half"`` compute in the input's dtype with the squares
+            formed (the paper's half-precision setting), ``"rms-half-safe"``/``"mrs-half-safe"`` in the
+            input's dtype without intermediate overflow (:mod:`lightning_mrs.swap.half`; channels-last
+            norms only).
         qk_norm: the per-head norm on the queries and keys of attention layers (QK-norm;
             see :mod:`lightning_mrs.swap.attention`). ``None`` (default): a QK-norm the model
             already has is a norm like any other and follows ``target``; none is added.

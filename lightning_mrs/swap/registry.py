@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional, Union
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
-from lightning_mrs.swap.half import MRSNormHalf, RMSNormHalf
+from lightning_mrs.swap.half import MRSNormHalf, MRSNormHalfSafe, RMSNormHalf, RMSNormHalfSafe
 from lightning_mrs.swap.hf import known_norm
 from lightning_mrs.swap.layers import LayerNorm2d, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.probe import Formula, recognise
@@ -55,8 +55,10 @@ NORM_KINDS: dict[str, str] = {
     "inplace_abn": "InPlaceABN (fused BN+act from the inplace_abn package)",
     "lazy": "uninitialised lazy BatchNorm/InstanceNorm",
     "custom": "a subclass of a known norm with its own forward",
-    "rms-half": "RMSNormHalf (experimental): RMSNorm over the last dim computed in the input's dtype",
-    "mrs-half": "MRSNormHalf (experimental): MRSNorm over the last dim computed in the input's dtype",
+    "rms-half": "RMSNormHalf (experimental): RMSNorm over the last dim computed in the input's dtype, squares formed",
+    "mrs-half": "MRSNormHalf (experimental): MRSNorm over the last dim computed in the input's dtype, squares formed",
+    "rms-half-safe": "RMSNormHalfSafe (experimental): RMSNormHalf scaled by max|x| before squaring (no overflow)",
+    "mrs-half-safe": "MRSNormHalfSafe (experimental): MRSNormHalf with magnitudes by hypot (no overflow)",
     "probed": "a class the table does not know (a transformers *RMSNorm...), recognised by running it: RMS or "
               "LayerNorm over the last dim (NormSpec.formula; lightning_mrs.swap.probe)",
 }
@@ -309,3 +311,5 @@ register_norm(RMSNorm2d, "rms2d", 1, spatial=lambda m: bool(m.spatial))
 register_norm(OffsetRMSNorm, "rms", -1)
 register_norm(RMSNormHalf, "rms-half", -1)
 register_norm(MRSNormHalf, "mrs-half", -1)
+register_norm(RMSNormHalfSafe, "rms-half-safe", -1)
+register_norm(MRSNormHalfSafe, "mrs-half-safe", -1)

@@ -31,13 +31,13 @@ from torch import nn
 from lightning_mrs.swap.attention_info import is_qk_name
 from lightning_mrs.swap.engine import swap_norms
 from lightning_mrs.swap.layer_record import LayerRecord, differences, format_record, layer_record
-from lightning_mrs.swap.options import SWAP_TARGETS
+from lightning_mrs.swap.options import HALF_TARGETS, SWAP_TARGETS
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers, norm_spec
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
-    if target in ("rms-half", "mrs-half"):
+    if target in HALF_TARGETS:
         return spec.kind == target
     if target == "mrs":
         return spec.kind == "mrs"
@@ -88,7 +88,7 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
 
 #: the swap target that builds a layer of each recorded kind
 _TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
-                   "rms-half": "rms-half", "mrs-half": "mrs-half"}
+                   **{t: t for t in HALF_TARGETS}}
 
 
 def _literal(name: str) -> str:

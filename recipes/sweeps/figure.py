@@ -19,7 +19,7 @@ from recipes.sweeps.records import Row, arm_key, chance, distinct_lrs, select
 __all__ = ["COLOURS", "chance_line", "lines", "lr_axis", "pyplot", "save"]
 
 COLOURS = {"layer": "tab:blue", "rms": "tab:orange", "mrs": "tab:green", "batch": "tab:gray", "none": "tab:red",
-           "rms-half": "tab:brown", "mrs-half": "tab:olive"}
+           "rms-half": "tab:brown", "mrs-half": "tab:olive", "rms-half-safe": "tab:pink", "mrs-half-safe": "tab:cyan"}
 _TITLE_PT = 10
 _CHAR_WIDTH_IN = 0.6 * _TITLE_PT / 72  # an average character of the title font, in inches
 

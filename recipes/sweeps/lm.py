@@ -1,10 +1,12 @@
 """The ``lm`` sweep: the body norms of a small byte-level Llama in mixed and pure half precision, the paper's premise.
 
 Arms: a norm (``rms``, ``mrs``, ``layer``: every body norm of the LM recipe's Llama replaced; the
-experimental ``rms-half``/``mrs-half`` of :mod:`lightning_mrs.swap.half`, computed in the input's
-dtype) at a precision (``bf16``: bfloat16 autocast; ``fp16``: float16 autocast with a loss scaler;
-``fp16-true``: the model cast to float16, Lightning's ``16-true``, where the norms' inputs are
-float16 (under autocast the residual stream, hence every norm input, stays float32); ``fp32``: a
+experimental ``rms-half``/``mrs-half``/``rms-half-safe``/``mrs-half-safe`` of :mod:`lightning_mrs.swap.half`,
+computed in the input's dtype) at a precision (``bf16``: bfloat16 autocast; ``fp16``: float16 autocast with a
+loss scaler, where the residual stream, hence every norm input, stays float32, so a half norm's input is cast
+to float16 there, :mod:`recipes.sweeps.half_inputs`; ``fp16-true``: the model cast to float16, Lightning's
+``16-true``; ``fp16-master``: ``16-true`` with AdamW on float32 master weights,
+:mod:`recipes.sweeps.master_weights`; ``fp32``: a
 reference, run at the smallest and the largest swept learning rates and at the mechanism stress's),
 e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes
 (:mod:`recipes.sweeps.lm_cell`). ``results.csv`` has the arm's factors as columns (``norm``,
@@ -20,7 +22,8 @@ channel dominate the denominator, which in mixed precision or under extreme opti
 numerical explosion (NaN), gradient starvation of the low-magnitude channels ..."; MRSNorm's mean
 of pair magnitudes is meant to stop that) and ``docs/method.md`` ("The language-model sweeps", the claims table):
 **P1** numerical explosion, as shipped (fp16 autocast, every norm computing in float32 inside) and
-**P1h** as the paper states it (pure float16, the norms computed in float16), **P2** outlier dominance,
+**P1h** as the paper states it (pure float16, the norms computed in float16), **P1m** the norms computed in
+float16 inside 16-mixed, **P1t** in pure float16 with float32 master weights, **P2** outlier dominance,
 **P3** gradient starvation, **P4** learning-rate robustness, **P5** half the affine parameters cost
 nothing, **M** the mechanism itself. Each is a list of comparisons over seeds, decided and combined by
 :func:`recipes.sweeps.claims.engine.evaluate`; the thresholds are module constants fixed before any
@@ -36,8 +39,8 @@ from typing import Any, Mapping, Optional
 
 from recipes.sweeps import figure as fig
 from recipes.sweeps.kind import History, Measured, Sweep
-from recipes.sweeps.lm_claims import (HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NORMS, PRECISIONS, RULE,
-                                      SCALE_FLOOR, TEXT, arm_name, claims, split_arm)
+from recipes.sweeps.lm_claims import (HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
+                                      RULE, SCALE_FLOOR, TEXT, arm_name, claims, split_arm)
 from recipes.sweeps.mechanism import CHANNEL, MECHANISM, MECHANISM_LR
 from recipes.sweeps.records import Row, distinct_lrs, same_lr, select
 from recipes.sweeps.score import BPB, DIVERGED_BPB
@@ -90,7 +93,8 @@ def figure(rows: list[Row], path: Path) -> Any:
     """Per precision a column: final bpb against lr (top), RMSNorm's largest-channel share of the norm inputs
     (``max_rms_share``, bottom); a red x where a seed diverged. Returns the panels (2 x precisions)."""
     plt = fig.pyplot()
-    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp32") if any(split_arm(r.arm)[1] == p for r in rows)]
+    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp16-master", "fp32")
+                  if any(split_arm(r.arm)[1] == p for r in rows)]
     all_lrs, seeds = distinct_lrs(rows), sorted({r.seed for r in rows})
     bs = min(r.batch_size for r in rows)
     figure_, axes = plt.subplots(2, len(precisions), figsize=(0.8 + 3.9 * len(precisions), 7.0), squeeze=False,
@@ -192,11 +196,14 @@ def _model_arms(arm: str) -> dict[str, Any]:
     return {"norm": norm, "qk_norm": "none", "precision": precision}
 
 
-LM_ARMS = tuple(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp32") for n in NORMS)
-#: the default grid's arms: every shipped norm in fp16 and bf16 (fp16 first: the premise); in pure fp16 the
-#: half-internal norms and the shipped rms and mrs beside them (P1h); the fp32 reference for rms and mrs
+LM_ARMS = tuple(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS)
+#: the default grid's arms: every shipped norm in fp16 and bf16 (fp16 first: the premise); the half-precision norms
+#: inside fp16 autocast (P1m); in pure fp16 the naive half norms and the shipped rms and mrs beside them (P1h); the
+#: four half norms in pure fp16 with float32 master weights (P1t); the fp32 reference for rms and mrs
 DEFAULT_ARMS = [*(arm_name(n, p) for p in ("fp16", "bf16") for n in ("rms", "mrs", "layer")),
-                *(arm_name(n, "fp16-true") for n in ("rms", "mrs", *HALF_NORMS)), "rms-fp32", "mrs-fp32"]
+                *(arm_name(n, "fp16") for n in HALF_NORMS),
+                *(arm_name(n, "fp16-true") for n in ("rms", "mrs", *NAIVE_HALF)),
+                *(arm_name(n, "fp16-master") for n in HALF_NORMS), "rms-fp32", "mrs-fp32"]
 
 #: what the language-model kinds share: data, budget, optimizer, monitors, columns, score, cell and checks
 LM_COMMON: dict[str, Any] = dict(

@@ -8,8 +8,12 @@ with a loss scaler on every device (on the CPU through ``MixedPrecision("16-mixe
 GradScaler("cpu"))``, as the recipe does); :class:`ScalerLog` counts the steps the scaler skipped
 (each halves its scale: the gradients held an Inf/NaN) and keeps its last scale. ``fp16-true`` is
 Lightning's ``16-true``: the model (weights, optimizer state, every activation) in float16, no scaler.
-The experimental norms ``rms-half``/``mrs-half`` are swapped in here (the LM recipe's ``--model.norm``
-does not offer them): the model is built with its own norms, then :func:`lightning_mrs.swap_norms`.
+The experimental half-precision norms (``rms-half``, ``mrs-half``, ``*-safe``) are swapped in here (the LM
+recipe's ``--model.norm`` does not offer them): the model is built with its own norms, then
+:func:`lightning_mrs.swap_norms`. At ``fp16`` (autocast) their float32 inputs are cast to float16
+(:class:`~recipes.sweeps.half_inputs.HalfInputs`); the dtypes they computed in go into the record
+(``norm_input_dtypes``). ``fp16-master`` is ``16-true`` with AdamW on float32 master weights, clipped there
+(:mod:`recipes.sweeps.master_weights`).
 
 An fp32 cell of a kind with the mechanism table (``--sweep lm``) at
 :data:`~recipes.sweeps.mechanism.MECHANISM_LR` is evaluated after training by
@@ -48,10 +52,12 @@ from recipes.sweeps.lm import VALIDATIONS
 from recipes.sweeps.lm_claims import HALF_NORMS, PRECISIONS, split_arm
 from recipes.sweeps.mechanism import MECHANISM_LR
 from recipes.sweeps.score import DIVERGED_BPB
+from recipes.sweeps.half_inputs import HalfInputs
+from recipes.sweeps.master_weights import use_fp32_master
 from recipes.sweeps.series import thin
 from recipes.text_data import TextDataModule
 
-__all__ = ["PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
+__all__ = ["GRADIENT_CLIP", "MASTER", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
 
 
 
@@ -95,8 +101,17 @@ class ScalerLog(Callback):
         return self._last
 
 
+#: results.csv's name of 16-true with float32 master weights (lm_claims.PRECISIONS["fp16-master"])
+MASTER = PRECISIONS["fp16-master"]
+#: the gradient clipping of every cell (the LM recipe's): by global norm
+GRADIENT_CLIP = 1.0
+
+
 def trainer_precision(precision: str, accelerator: str) -> dict[str, Any]:
-    """The Trainer's ``precision``/``plugins`` for a Lightning precision name (fp16 on the CPU: a real scaler)."""
+    """The Trainer's ``precision``/``plugins`` for a precision name (fp16 on the CPU: a real scaler; the master-weight
+    16-true: Lightning's 16-true, the optimizer does the rest)."""
+    if precision == MASTER:
+        return {"precision": "16-true"}
     if cpu_fp16(precision, accelerator):
         return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     return {"precision": precision}
@@ -120,7 +135,8 @@ def datamodule(args: argparse.Namespace, batch_size: int) -> TextDataModule:
 def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
     """The arm's ``ByteLM``; without a QK-norm its attention is exposed (same outputs) for the AttentionMonitor."""
     d = args.sweep.datasets[args.dataset]
-    chosen = _setting(args, arm)["model"]
+    setting = _setting(args, arm)
+    chosen = setting["model"]
     half = chosen.get("norm") in HALF_NORMS  # experimental: not a --model.norm of the recipe
     model = ByteLM(arch=args.arch, config=args.arch_kwargs, mrs_backend=args.mrs_backend, lr=lr,
                    weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, schedule=args.schedule,
@@ -130,6 +146,10 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
             warnings.simplefilter("ignore")
             model.swap_report = swap_norms(model.model, chosen["norm"])
         check_swap(model.model, args.arch, chosen["norm"], chosen.get("qk_norm", "none"), model.swap_report)
+        if setting["precision"] == "16-mixed":  # under autocast their inputs would be float32: cast, and record
+            model.half_inputs = HalfInputs(model.model)
+    if setting["precision"] == MASTER:
+        use_fp32_master(model, GRADIENT_CLIP)
     if chosen.get("qk_norm", "none") == "none":
         expose_attention(model.model)
     return model
@@ -183,7 +203,9 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         callbacks=[*args.sweep.monitors(args), divergence, scaler, ValidateAtEnd()],
         log_every_n_steps=args.log_every, val_check_interval=args.val_every or max(1, steps // VALIDATIONS),
         check_val_every_n_epoch=None, limit_val_batches=int(args.limit_val_batches) if args.limit_val_batches > 1
-        else args.limit_val_batches, num_sanity_val_steps=0, gradient_clip_val=1.0, enable_checkpointing=False,
+        else args.limit_val_batches, num_sanity_val_steps=0, enable_checkpointing=False,
+        # the master-weight optimizer clips its float32 master gradients itself (recipes/sweeps/master_weights.py)
+        gradient_clip_val=None if setting["precision"] == MASTER else GRADIENT_CLIP,
         enable_model_summary=False, enable_progress_bar=args.progress, default_root_dir=str(out),
         **trainer_precision(setting["precision"], args.accelerator),
     )
@@ -208,6 +230,8 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         "diverged": diverged_at is not None, "divergence_step": diverged_at,
         "channels": model.model.config.hidden_size,
         "scaler_skipped": scaler.skipped, "scaler_final_scale": scaler.final_scale,
+        # the dtype each forward of a half norm computed in -> calls (fp16 autocast: it must be float16 alone)
+        **({"norm_input_dtypes": dict(model.half_inputs.seen)} if hasattr(model, "half_inputs") else {}),
         **_mechanism(args, model, dm, arm, {"lr": lr, "batch_size": batch_size, "seed": seed}, diverged_at),
         **metrics,
         "tb_run": str(Path("tb") / name),

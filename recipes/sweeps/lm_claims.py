@@ -1,4 +1,5 @@
-"""The ``lm`` sweep's claims: P1 (as shipped), P1h (as the paper states it), P2-P5, from typed ``results.csv`` rows.
+"""The ``lm`` sweep's claims: P1 (as shipped), P1h (as the paper states it), P1m and P1t (the norms in float16 inside
+16-mixed, and in 16-true with float32 master weights), P2-P5, from typed ``results.csv`` rows.
 
 The arms they compare are named ``<norm>-<precision>`` (:func:`split_arm`); the kind itself, its
 figure and what a cell measures are :mod:`recipes.sweeps.lm`. The statements and how each is
@@ -21,15 +22,18 @@ from recipes.sweeps.records import Row, distinct_lrs, select, survived
 from recipes.sweeps.robustness import by_arm, robustness
 from recipes.sweeps.score import BPB, DIVERGED_BPB, NEAR_FRACTION
 
-__all__ = ["CLAIM_PRECISIONS", "HALF_NORMS", "HIGH_LR_MIN", "LARGE_SHARE", "MARGIN_BPB", "NORMS", "PRECISIONS", "RULE",
+__all__ = ["CLAIM_PRECISIONS", "HALF_NORMS", "NAIVE_HALF", "SAFE_HALF", "HIGH_LR_MIN", "LARGE_SHARE", "MARGIN_BPB", "NORMS", "PRECISIONS", "RULE",
            "SCALE_FLOOR", "TEXT", "arm_name", "claims", "failed", "per_seed", "split_arm"]
 
-#: the experimental norms computed in the input's dtype (lightning_mrs.swap.half)
-HALF_NORMS = ("rms-half", "mrs-half")
+#: the experimental norms computed in the input's dtype (lightning_mrs.swap.half): squares formed in it, and safe
+NAIVE_HALF, SAFE_HALF = ("rms-half", "mrs-half"), ("rms-half-safe", "mrs-half-safe")
+HALF_NORMS = (*NAIVE_HALF, *SAFE_HALF)
 NORMS = ("rms", "mrs", "layer", *HALF_NORMS)
-#: an arm's precision -> Lightning's name (fp16: with a loss scaler, also on the CPU; fp16-true: the model in float16)
-PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp16-true": "16-true", "fp32": "32-true"}
-#: the precisions the claims P2-P5 compare (fp32 is a reference only; fp16-true: P1h)
+#: an arm's precision -> its name in results.csv: Lightning's (fp16: with a loss scaler, also on the CPU; fp16-true:
+#: the model in float16); fp16-master: 16-true with float32 master weights and AdamW state (recipes/sweeps/master_weights.py)
+PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp16-true": "16-true", "fp16-master": "16-true+fp32-master",
+              "fp32": "32-true"}
+#: the precisions the claims P2-P5 compare (fp32 is a reference only; fp16-true: P1h; fp16-master: P1t)
 CLAIM_PRECISIONS = ("bf16", "fp16")
 #: "high" learning rates: ten times the recipe's AdamW default (1e-3) and above
 HIGH_LR_MIN = 0.01
@@ -58,9 +62,32 @@ TEXT: dict[str, tuple[str, str, str]] = {
             "precision or under extreme optimisation leads to numerical explosion (NaN).",
             f"P1's two comparisons on the `rms-half-fp16-true` and `mrs-half-fp16-true` cells: the model cast to "
             "float16 (`16-true`: the norms' inputs are float16, no loss scaler), the norms computed in float16 "
-            "(`lightning_mrs/swap/half.py`: RMSNorm's `x^2` overflows past |x| = 256, MRSNorm's magnitudes by "
-            "`hypot`). A seed *fails* at an lr when its training loss turned non-finite. The as-shipped norms in "
-            "the same precision (`rms-fp16-true`, `mrs-fp16-true`) are in the per-cell table."),
+            "(`lightning_mrs/swap/half.py`: both form their squares in float16, which overflow from |x| = 256; "
+            "runs made before the safe arms existed had MRSNorm's magnitudes by `hypot`, today's `mrs-half-safe`). "
+            "A seed *fails* at an lr when its training loss turned non-finite. The as-shipped norms in the same "
+            "precision (`rms-fp16-true`, `mrs-fp16-true`) are in the per-cell table."),
+    "P1m": ("Numerical explosion with the norms computed in float16 inside real mixed precision: under 16-mixed "
+            "(float32 master weights, float16 autocast, a loss scaler), RMSNorm runs blow up at high learning rates "
+            "where MRSNorm runs do not, the two computed with the same arithmetic",
+            "Abstract: sum(x^2) lets a single large-magnitude channel dominate the denominator, which in mixed "
+            "precision or under extreme optimisation leads to numerical explosion (NaN).",
+            "P1's two comparisons on the `16-mixed` cells of the half-precision norms, pair by pair: `rms-half-fp16` "
+            "against `mrs-half-fp16` (both form their squares in float16: overflow from |x| = 256) and "
+            "`rms-half-safe-fp16` against `mrs-half-safe-fp16` (both without intermediate overflow). Under autocast "
+            "the residual stream is float32; each half norm's input is cast to float16 "
+            "(`recipes/sweeps/half_inputs.py`: every forward's dtype is recorded in the cell's record, "
+            "`norm_input_dtypes`), its weight is float32 and cast to float16 inside. A seed fails as in P1 (non-"
+            f"finite loss or its loss scaler's scale below {SCALE_FLOOR:g}). The shipped `rms-fp16`/`mrs-fp16` "
+            "(float32 inside) are P1."),
+    "P1t": ("Numerical explosion in pure float16 trained as mixed-precision optimizers do: with the norms computed "
+            "in float16, RMSNorm runs blow up at high learning rates where MRSNorm runs do not",
+            "Abstract: sum(x^2) lets a single large-magnitude channel dominate the denominator, which in mixed "
+            "precision or under extreme optimisation leads to numerical explosion (NaN).",
+            "P1's two comparisons, pair by pair as in P1m, on the `fp16-master` cells: the model cast to float16 "
+            "(Lightning's `16-true`: every activation and the norms' inputs float16, no loss scaler) and AdamW on "
+            "float32 master weights with float32 state, the float16 gradients clipped at norm 1 in float32 "
+            "(`recipes/sweeps/master_weights.py`; Micikevicius et al. 2018, apex's FP16_Optimizer), so AdamW's eps "
+            "is not 0 as it is in P1h. A seed fails when its training loss turned non-finite."),
     "P2": ("Outlier dominance: the largest channel takes a large share of RMSNorm's denominator; MRSNorm's share of "
            "the same inputs is lower",
            "Abstract: in RMSNorm, sum(x^2) lets a single large-magnitude channel dominate the denominator; MRSNorm's "
@@ -107,7 +134,7 @@ RULE = (
     f"{MARGIN_BPB:g} bpb, about 1 % of the bpb these models reach) are constants of the code fixed before any "
     "sweep ran, not flags. The fp32 arms are a reference at the smallest and largest learning rates, and at "
     f"{MECHANISM_LR:g} the models of the mechanism stress; they enter no claim but M. The `fp16-true` arms (the model "
-    "in float16) enter P1h only.",
+    "in float16) enter P1h only; the half-precision norms at `fp16` P1m only, the `fp16-master` arms P1t only.",
     "",
 )
 
@@ -263,7 +290,10 @@ def _claim5(rows: list[Row]) -> list[tuple[str, list[Comparison]]]:
 
 
 def claims(rows: list[Row]) -> list[Claim]:
-    """P1, P1h, P2-P5 over typed ``results.csv`` rows, not yet evaluated."""
-    builders = {"P1": _claim1, "P1h": lambda rows: _claim1(rows, HALF_NORMS, "fp16-true"), "P2": _claim2,
+    """P1, P1h, P1m, P1t, P2-P5 over typed ``results.csv`` rows, not yet evaluated."""
+    builders = {"P1": _claim1, "P1h": lambda rows: _claim1(rows, NAIVE_HALF, "fp16-true"),
+                "P1m": lambda rows: _claim1(rows, NAIVE_HALF, "fp16") + _claim1(rows, SAFE_HALF, "fp16"),
+                "P1t": lambda rows: _claim1(rows, NAIVE_HALF, "fp16-master") + _claim1(rows, SAFE_HALF, "fp16-master"),
+                "P2": _claim2,
                 "P3": _claim3, "P4": _claim4, "P5": _claim5}
     return [Claim(key, *TEXT[key], groups=build(rows)) for key, build in builders.items()]

@@ -8,14 +8,17 @@ the sweep at :data:`MECHANISM_LR` (RMSNorm and MRSNorm models) is evaluated afte
 every token at the input of every norm, four ways:
 
 * ``rms``, ``mrs``: the trained model as it is (both norms compute in float32 inside);
-* ``rms-half``, ``mrs-half``: the same weights, the norms swapped to the half-precision-internal
-  baselines of :mod:`lightning_mrs.swap.half` (``x^2`` in float16; MRSNorm by ``hypot``).
+* ``rms-half``, ``mrs-half``: the same weights, the norms swapped to the half-precision baselines of
+  :mod:`lightning_mrs.swap.half` that form the squares in float16 (each formula as it reads);
+* ``rms-half-safe``, ``mrs-half-safe``: the same, computed without intermediate overflow (RMSNorm
+  scaled by ``max|x|`` before squaring; MRSNorm's magnitudes by ``hypot``).
 
 Per (model, arm, ``m``): the validation bits per byte on the sweep's validation windows and the share
-of norm outputs (tokens, over every norm call) that are non-finite or all zero. The maths says
-``rms-half`` breaks where ``m^2`` passes float16's 65504 (``m >= 256``) and ``mrs-half`` only where a
-phasor's magnitude does (near 65504, beyond the planted range). Claim **M** tests that, from
-``mechanism.csv`` alone. Needs no torch.
+of norm outputs (tokens, over every norm call) that are non-finite or all zero. The arithmetic says
+both naive arms break where ``m^2`` passes float16's 65504 (``m >= 256``), whichever the formula, and
+the safe arms only where a result itself leaves float16 (beyond the planted range). Claim **M** tests
+that, from ``mechanism.csv`` alone (rows written before the safe arms existed named the ``hypot``
+MRSNorm ``mrs-half``: :data:`LEGACY_ARMS`). Needs no torch.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from recipes.sweeps.kind import Table
 from recipes.sweeps.records import same_lr
 from recipes.sweeps.score import DIVERGED_BPB
 
-__all__ = ["ARMS", "BROKEN_SHARE", "CHANNEL", "CLEAN_SHARE", "COLUMNS", "FP16_MAX", "MAGNITUDES", "MARGIN_BPB",
+__all__ = ["ARMS", "BROKEN_SHARE", "LEGACY_ARMS", "NAIVE", "SAFE", "CHANNEL", "CLEAN_SHARE", "COLUMNS", "FP16_MAX", "MAGNITUDES", "MARGIN_BPB",
            "MECHANISM", "MECHANISM_LR", "SQUARE_LIMIT", "claims", "figure", "source"]
 
 #: the lr of the fp32 models the mechanism stress evaluates (the sweep's fp32 arms also run there)
@@ -44,7 +47,13 @@ CHANNEL = 0
 #: float16's largest finite value, and the |x| from which x^2 rounds to Inf there
 FP16_MAX, SQUARE_LIMIT = 65504.0, 256.0
 #: the arms evaluated, and the trained norm each one takes its weights from
-ARMS = {"rms": "rms", "mrs": "mrs", "rms-half": "rms", "mrs-half": "mrs"}
+ARMS = {"rms": "rms", "mrs": "mrs", "rms-half": "rms", "mrs-half": "mrs", "rms-half-safe": "rms",
+        "mrs-half-safe": "mrs"}
+#: the half-precision arms that form x^2 in float16, and those computed without intermediate overflow
+NAIVE, SAFE = ("rms-half", "mrs-half"), ("rms-half-safe", "mrs-half-safe")
+#: a mechanism.csv written before the safe arms (no ``*-safe`` row) named today's ``mrs-half-safe`` (hypot)
+#: ``mrs-half``: :func:`legacy` renames it when a table is read
+LEGACY_ARMS = {"mrs-half": "mrs-half-safe"}
 #: "broken": more than half of the norm outputs non-finite or all zero; "clean": under 1 %
 BROKEN_SHARE, CLEAN_SHARE = 0.5, 0.01
 #: "costs nothing" (bpb): the half-internal MRSNorm at most this far above MRSNorm (the lm sweep's P5 margin)
@@ -53,6 +62,15 @@ COLUMNS = ("norm", "arm", "lr", "batch_size", "seed", "magnitude", "val_bpb", "b
            "zero_frac", "norm_tokens")
 _NUMERIC = ("lr", "batch_size", "seed", "magnitude", "val_bpb", "bad_frac", "nonfinite_frac", "zero_frac",
             "norm_tokens")
+
+
+def legacy(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with the arms of a table written before the safe arms existed renamed (:data:`LEGACY_ARMS`).
+
+    Such a table has no ``*-safe`` arm; its ``mrs-half`` was MRSNorm by ``hypot``, today's ``mrs-half-safe``."""
+    if any(str(r.get("arm", "")).endswith("-safe") for r in rows):
+        return rows
+    return [dict(r, arm=LEGACY_ARMS.get(r.get("arm"), r.get("arm"))) for r in rows]
 
 
 def source(arm: str) -> str:
@@ -98,17 +116,19 @@ def _cost(a: str, b: str, pick: Callable[..., float], where: Callable[[float], b
     return lambda by: pick(_bpb(by[a][m]) - _bpb(by[b][m]) for m in MAGNITUDES if where(m))
 
 
-TEXT = ("Mechanism: a norm that squares in float16 breaks where x^2 overflows (|x| >= 256); MRSNorm computed in "
-        "float16 does not, and neither does any shipped norm",
+TEXT = ("Mechanism: a norm that forms x^2 in float16 breaks where x^2 overflows (|x| >= 256), RMSNorm and MRSNorm "
+        "alike; computed without intermediate overflow neither breaks, and no shipped norm does",
         "Abstract: in RMSNorm, sum(x^2) lets a single large-magnitude channel dominate the denominator, which in mixed "
         "precision leads to numerical explosion; MRSNorm takes each phasor's magnitude first.",
         f"The mechanism stress (section below): the fp32 models at lr {MECHANISM_LR:g} evaluated in pure float16 with "
-        f"channel {CHANNEL} of every norm input set to m = 2^4 .. 2^15. Per seed: for `rms-half`, the smallest share "
-        f"of non-finite or all-zero norm outputs over m >= {SQUARE_LIMIT:g}, t interval above {BROKEN_SHARE:g}, and "
-        f"the largest over m < {SQUARE_LIMIT:g}, below {CLEAN_SHARE:g}; for `mrs-half`, `rms` and `mrs` (float32 "
+        f"channel {CHANNEL} of every norm input set to m = 2^4 .. 2^15. Per seed: for the naive `rms-half` and "
+        f"`mrs-half` (squares formed in float16), the smallest share of non-finite or all-zero norm outputs over "
+        f"m >= {SQUARE_LIMIT:g}, t interval above {BROKEN_SHARE:g}, and the largest over m < {SQUARE_LIMIT:g}, below "
+        f"{CLEAN_SHARE:g}; for `rms-half-safe`, `mrs-half-safe` (no intermediate overflow), `rms` and `mrs` (float32 "
         f"inside), the largest over every m, below {CLEAN_SHARE:g}. The cost in bpb (a NaN counted as "
-        f"{DIVERGED_BPB:g}): the smallest over m >= {SQUARE_LIMIT:g} of `rms-half` minus `rms` (same weights), "
-        f"above 0; the largest over every m of `mrs-half` minus `mrs`, below {MARGIN_BPB:g} bpb.")
+        f"{DIVERGED_BPB:g}): the smallest over m >= {SQUARE_LIMIT:g} of each naive arm minus its shipped norm (same "
+        f"weights), above 0; the largest over every m of each safe arm minus its shipped norm, below {MARGIN_BPB:g} "
+        "bpb.")
 
 RULE = (
     f"**Mechanism stress** (claim M): the thresholds `BROKEN_SHARE` = {BROKEN_SHARE:g}, `CLEAN_SHARE` = "
@@ -119,30 +139,35 @@ RULE = (
 
 
 def claims(rows: list[dict[str, Any]]) -> list[Claim]:
-    """Claim M over ``mechanism.csv``'s rows, not yet evaluated."""
+    """Claim M over ``mechanism.csv``'s rows (:func:`legacy` names), not yet evaluated."""
+    rows = legacy(rows)
     sizes = sorted({r["batch_size"] for r in rows}) or [16.0]
     broken, clean, cost = [], [], []
     high, low, every = (lambda m: m >= SQUARE_LIMIT), (lambda m: m < SQUARE_LIMIT), (lambda m: True)
     for bs in sizes:
         at = f"batch {bs:g}: "
-        broken.append(single(f"{at}rms-half, smallest share over m >= {SQUARE_LIMIT:g}",
-                             ("rms-half", _per_seed(rows, bs, _extreme("rms-half", min, high), ("rms-half",))),
-                             "above", BROKEN_SHARE, ""))
-        clean.append(single(f"{at}rms-half, largest share over m < {SQUARE_LIMIT:g}",
-                            ("rms-half", _per_seed(rows, bs, _extreme("rms-half", max, low), ("rms-half",))),
-                            "below", CLEAN_SHARE, ""))
-        for arm in ("mrs-half", "rms", "mrs"):
+        for arm in NAIVE:
+            broken.append(single(f"{at}{arm}, smallest share over m >= {SQUARE_LIMIT:g}",
+                                 (arm, _per_seed(rows, bs, _extreme(arm, min, high), (arm,))), "above", BROKEN_SHARE,
+                                 ""))
+            clean.append(single(f"{at}{arm}, largest share over m < {SQUARE_LIMIT:g}",
+                                (arm, _per_seed(rows, bs, _extreme(arm, max, low), (arm,))), "below", CLEAN_SHARE, ""))
+        for arm in (*SAFE, "rms", "mrs"):
             values = _per_seed(rows, bs, _extreme(arm, max, every), (arm,))
             clean.append(single(f"{at}{arm}, largest share over every m", (arm, values), "below", CLEAN_SHARE, ""))
-        cost.append(single(f"{at}rms-half - rms, smallest over m >= {SQUARE_LIMIT:g}",
-                           ("rms-half - rms", _per_seed(rows, bs, _cost("rms-half", "rms", min, high),
-                                                        ("rms-half", "rms"))), "above", 0.0, ""))
-        cost.append(single(f"{at}mrs-half - mrs, largest over every m",
-                           ("mrs-half - mrs", _per_seed(rows, bs, _cost("mrs-half", "mrs", max, every),
-                                                        ("mrs-half", "mrs"))), "below", MARGIN_BPB, ""))
+        for arm in NAIVE:
+            base = source(arm)
+            cost.append(single(f"{at}{arm} - {base}, smallest over m >= {SQUARE_LIMIT:g}",
+                               (f"{arm} - {base}", _per_seed(rows, bs, _cost(arm, base, min, high), (arm, base))),
+                               "above", 0.0, ""))
+        for arm in SAFE:
+            base = source(arm)
+            cost.append(single(f"{at}{arm} - {base}, largest over every m",
+                               (f"{arm} - {base}", _per_seed(rows, bs, _cost(arm, base, max, every), (arm, base))),
+                               "below", MARGIN_BPB, ""))
     groups: list[tuple[str, list[Comparison]]] = [
-        (f"rms-half breaks where the square overflows: share of non-finite or all-zero norm outputs above "
-         f"{BROKEN_SHARE:g}", broken),
+        (f"rms-half and mrs-half break where the square overflows: share of non-finite or all-zero norm outputs "
+         f"above {BROKEN_SHARE:g}", broken),
         (f"and nothing else breaks: that share below {CLEAN_SHARE:g}", clean),
         ("what it costs: val bpb against the same weights computed in float32 inside", cost),
     ]
@@ -156,11 +181,12 @@ def figure(rows: list[dict[str, Any]], path: Path) -> Any:
     """The share of broken norm outputs (left) and the val bpb (right) against the planted magnitude, one line
     per arm (mean over the seeds at MECHANISM_LR, band = min-max); returns the two panels."""
     plt = fig.pyplot()
+    rows = legacy(rows)
     mine = [r for r in rows if same_lr(r["lr"], MECHANISM_LR)] or rows
     seeds = sorted({r["seed"] for r in mine})
     figure_, (bad, bpb) = plt.subplots(1, 2, figsize=(10.0, 4.2), constrained_layout=True)
     styles = {"rms": ("tab:orange", "-"), "mrs": ("tab:green", "-"), "rms-half": ("tab:orange", "--"),
-              "mrs-half": ("tab:green", "--")}
+              "mrs-half": ("tab:green", "--"), "rms-half-safe": ("tab:red", ":"), "mrs-half-safe": ("tab:blue", ":")}
     for arm, (colour, style) in styles.items():
         for ax, value in ((bad, lambda r: r["bad_frac"]), (bpb, _bpb)):
             xs, mean, low, high = [], [], [], []
@@ -190,14 +216,14 @@ def figure(rows: list[dict[str, Any]], path: Path) -> Any:
     handles, labels = bad.get_legend_handles_labels()
     fig.save(plt, figure_, handles, labels, f"Mechanism stress: fp32 models (lr {MECHANISM_LR:g}) evaluated in pure "
              f"float16, one channel planted; mean over {len(seeds)} seed(s), band = min-max; dashed: the norms "
-             "computed in float16", path, diverged=False)
+             "computed in float16 (squares formed), dotted: in float16 without overflow", path, diverged=False)
     return bad, bpb
 
 
 def lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per planted magnitude and arm, mean over the seeds at MECHANISM_LR: the share of broken norm outputs and
     the val bpb (a NaN counted as 8)."""
-    mine = [r for r in rows if same_lr(r["lr"], MECHANISM_LR)]
+    mine = [r for r in legacy(rows) if same_lr(r["lr"], MECHANISM_LR)]
     if not mine:
         return []
     arms = [a for a in ARMS if any(r["arm"] == a for r in mine)]
@@ -222,8 +248,10 @@ MECHANISM = Table(
         "the residual stream set to m in every token at the input of every norm (a forward pre-hook: the residual "
         "stream itself is not changed), m = 0 (nothing planted) and 2^4 .. 2^15. Arms: `rms` and `mrs`, the trained "
         "norms (they compute in float32 inside); `rms-half` and `mrs-half`, the same weights with the norms swapped "
-        "to the half-precision-internal baselines (`lightning_mrs/swap/half.py`: `x^2`, its mean and the scale in "
-        "float16; MRSNorm's magnitudes by `hypot`). Per row: `val_bpb` (NaN when the logits were not finite), "
+        "to the half-precision baselines that form the squares in float16 (`lightning_mrs/swap/half.py`: each "
+        "formula as it reads, every step in float16); `rms-half-safe` and `mrs-half-safe`, the same computed in "
+        "float16 without intermediate overflow (RMSNorm scaled by max|x| before squaring, as BLAS nrm2; MRSNorm's "
+        "magnitudes by `hypot`). Per row: `val_bpb` (NaN when the logits were not finite), "
         "`bad_frac` = the share of norm output tokens (every norm call) that are non-finite or all zero "
         "(`nonfinite_frac`, `zero_frac` apart).",
     ),

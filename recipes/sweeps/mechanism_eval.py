@@ -2,7 +2,7 @@
 
 :func:`mechanism_rows` takes a ``ByteLM`` trained in fp32 with RMSNorm or MRSNorm and returns the rows
 of ``mechanism.csv`` for it: the model as trained and with its norms computed in float16
-(``rms-half``/``mrs-half``, :mod:`lightning_mrs.swap.half`), each cast to float16, evaluated on the
+(``rms-half``/``mrs-half`` and ``rms-half-safe``/``mrs-half-safe``, :mod:`lightning_mrs.swap.half`), each cast to float16, evaluated on the
 validation windows with channel :data:`~recipes.sweeps.mechanism.CHANNEL` of every norm's input set to
 each planted magnitude. The model itself is not changed (every arm works on a copy).
 """
@@ -57,7 +57,7 @@ class _Plant:
 def stress_model(model: nn.Module, arm: str) -> nn.Module:
     """A float16 copy of a transformers causal LM, its norms swapped to ``arm``'s (``*-half``) or kept."""
     copied = copy.deepcopy(model)
-    if arm.endswith("-half"):
+    if arm not in ("rms", "mrs"):  # a half-precision baseline: the swap target of that name
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             report = swap_norms(copied, arm)
@@ -73,7 +73,7 @@ def mechanism_rows(model: nn.Module, windows: Tensor, norm: str, cell: dict[str,
     Args:
         model: the transformers causal LM (``ByteLM.model``), trained with ``norm``.
         windows: the validation windows, ``(W, T + 1)`` bytes.
-        norm: ``rms`` or ``mrs``: the arms evaluated are ``norm`` and ``norm-half``.
+        norm: ``rms`` or ``mrs``: the arms evaluated are ``norm``, ``norm-half`` and ``norm-half-safe``.
         cell: the cell's columns every row carries (``lr``, ``batch_size``, ``seed``).
     """
     rows = []

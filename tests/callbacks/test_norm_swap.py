@@ -76,7 +76,7 @@ def test_a_swap_options_object_is_accepted():
 
 
 def test_arguments_are_validated_in_init():
-    with pytest.raises(ValueError, match=r"target='batch' is not valid; choose one of \['mrs', 'rms', 'layer', 'rms-half', 'mrs-half'\]"):
+    with pytest.raises(ValueError, match=r"target='batch' is not valid; choose one of \['mrs', 'rms', 'layer', 'rms-half', 'mrs-half', 'rms-half-safe', 'mrs-half-safe'\]"):
         NormSwap("batch")
     with pytest.raises(ValueError, match="init='random' is not valid; choose one of"):
         NormSwap(init="random")

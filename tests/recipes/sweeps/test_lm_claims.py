@@ -43,6 +43,7 @@ def _world(bpb: Optional[Fn] = None, diverges: Optional[Fn] = None, shares: Opti
     scale = scale or (lambda n, p, lr, s: 65536.0 if p == "fp16" else None)
     rows = []
     arms = [(n, p) for n in ("rms", "mrs", "layer") for p in ("bf16", "fp16")] + [(n, "fp16-true") for n in HALF]
+    arms += [(n, p) for n in (*HALF, "rms-half-safe", "mrs-half-safe") for p in ("fp16", "fp16-master")]  # P1m, P1t
     for norm, precision in arms:
         for lr in LRS:
             for seed in seeds:
@@ -67,7 +68,7 @@ def _claim(rows: list[Row], key: str) -> sc.Claim:
 
 
 def test_the_default_world_supports_every_claim() -> None:
-    assert _verdicts(_world()) == {k: "supported" for k in ("P1", "P1h", "P2", "P3", "P4", "P5")}
+    assert _verdicts(_world()) == {k: "supported" for k in ("P1", "P1h", "P1m", "P1t", "P2", "P3", "P4", "P5")}
     assert (HIGH_LR_MIN, LARGE_SHARE, SCALE_FLOOR) == (0.01, 10.0, 1.0)  # the definitions the report states
 
 
@@ -166,8 +167,9 @@ def test_p5_verdicts(offset: Callable[[int], float], verdict: str) -> None:
 def test_a_missing_arm_leaves_its_claims_inconclusive() -> None:
     rows = [r for r in _world() if not split_arm(r.arm)[0].startswith("mrs")]
     # P2 rests on the RMSNorm runs alone (both shares of their inputs)
-    assert _verdicts(rows) == {"P1": "inconclusive", "P1h": "inconclusive", "P2": "supported", "P3": "inconclusive",
-                               "P4": "inconclusive", "P5": "inconclusive"}
+    assert _verdicts(rows) == {"P1": "inconclusive", "P1h": "inconclusive", "P1m": "inconclusive",
+                               "P1t": "inconclusive", "P2": "supported", "P3": "inconclusive", "P4": "inconclusive",
+                               "P5": "inconclusive"}
     assert "mrs-fp16 was not in this sweep" in str([o.comparison.reason for _, g in _claim(rows, "P1").outcomes
                                                     for o in g])
 
@@ -196,7 +198,8 @@ def test_p1h_when_pure_fp16_fails_for_every_norm() -> None:
 def test_arms_split_into_tidy_columns() -> None:
     assert split_arm("rms-half-fp16-true") == ("rms-half", "fp16-true") and split_arm("mrs-fp16") == ("mrs", "fp16")
     assert factors({"arm": "mrs-half-fp16-true"}) == {"norm": "mrs-half", "precision": "16-true"}
-    assert {factors({"arm": a})["precision"] for a in LM.arms} == {"16-mixed", "bf16-mixed", "16-true", "32-true"}
+    assert {factors({"arm": a})["precision"] for a in LM.arms} == {"16-mixed", "bf16-mixed", "16-true", "16-true+fp32-master",
+                                                                           "32-true"}
     row = LM.row({"arm": "rms-bf16", "lr": "0.1", "batch_size": "16", "seed": "0", "max_fp16_overflow_frac": "0.25"})
     assert row.factors == {"norm": "rms", "precision": "bf16-mixed"}
     assert row.metrics["max_x2_over_fp16_frac"] == 0.25  # a record written before the rename
