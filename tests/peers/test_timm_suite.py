@@ -129,7 +129,7 @@ def test_the_baseline_runs_the_suite(baseline: dict) -> None:
     no_norms = {m for m in MODELS if all(b["norms"] == 0 for b in baseline["builds"] if b["model"] == m)}
     assert no_norms == NO_NORMS
     passed = sum(outcome == "passed" for outcome, _ in baseline["outcomes"].values())
-    assert passed >= 0.8 * len(baseline["outcomes"]) >= 10 * len(MODELS), (passed, len(baseline["outcomes"]))
+    assert passed >= 0.8 * len(baseline["outcomes"]) >= 8 * len(MODELS), (passed, len(baseline["outcomes"]))
 
 
 @pytest.mark.parametrize("target", ["mrs", "rms", "layer"])
