@@ -79,6 +79,7 @@ def _swapping(create_model, target: str):
         accounted = set(report.skipped) | set(report.unchanged)
         entry.update(
             converted=len(report.converted),
+            unchanged=len(report.unchanged),  # already the target: a LayerNorm under "layer"
             skipped=dict(report.skipped),
             silent=sorted(n for n, m in before.items() if after.get(n) is m and n not in accounted),
         )
