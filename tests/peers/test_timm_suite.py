@@ -142,9 +142,9 @@ def test_swapped_models_fail_only_where_timm_does(
     assert run["header"]["target"] == target
     # Not vacuous: the same tests ran, and every model with a norm came back swapped.
     assert set(run["outcomes"]) == set(baseline["outcomes"])
-    # Under "layer" a model whose norms all are LayerNorms already is left as it is ("unchanged").
-    swapped = {b["model"].split(".")[0] for b in run["builds"]
-               if b["converted"] > 0 or (target == "layer" and b["unchanged"] > 0)}
+    # A model whose norms all are the target already (LayerNorms under "layer", timm's RmsNorm
+    # under "rms": test_vit4) is left as it is; the report lists those norms as "unchanged".
+    swapped = {b["model"].split(".")[0] for b in run["builds"] if b["converted"] + b["unchanged"] > 0}
     assert swapped == set(MODELS) - NO_NORMS, f"not swapped: {sorted(set(MODELS) - NO_NORMS - swapped)}"
     silent = {f"{b['test']} {b['model']}: {b['silent']}" for b in run["builds"] if b["silent"]}
     assert not silent, "norm layers left unswapped and unreported:\n" + "\n".join(sorted(silent))
