@@ -154,10 +154,10 @@ def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser
                         + per_kind(lambda k: k.default_dataset))
     d.add_argument("--root",
                    help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder "
-                        "(the image recipe's --data.root; default: data)")
+                        "(the image recipe's --data.root) (default: data)")
     d.add_argument("--path",
                    help="with --dataset text: the text file or folder (lm.py's --data.path; --root, its older name, "
-                        "still works)")
+                        "still works) (default: no text; --dataset text requires it)")
     d.add_argument("--seq-len", type=int,
                    help="language-model sweeps: tokens (bytes, or the --pretrained tokenizer's tokens) per window "
                         + where_set("seq_len"))
