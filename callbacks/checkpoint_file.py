@@ -70,7 +70,8 @@ def read_checkpoint(path: Union[str, os.PathLike], map_location: Any = "cpu", *,
             raise ValueError(
                 f"{owner}: {os.fspath(path)} holds Python objects other than tensors and plain data ({refused}), "
                 "which a safe load (torch.load(weights_only=True)) refuses: unpickling them can run any code. Only "
-                f"if you trust the file's source, pass {opt_in}."
+                f"if you trust the file's source, pass {opt_in}, or allow those classes with "
+                "torch.serialization.add_safe_globals([...])."
             ) from None
         reason = f"{type(err).__name__}: {refused or str(err).split('. ')[0].strip()}"  # torch's first sentence
         what = ("is truncated or corrupted ({}); save or copy it again." if zipped else
