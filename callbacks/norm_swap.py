@@ -47,7 +47,7 @@ import lightning_mrs
 from lightning_mrs.callbacks.checkpoint_file import read_metadata
 from lightning_mrs.callbacks.norm_swap_strategies import refuse_parallelised, refuse_unsupported
 from lightning_mrs.callbacks.swap_record import (
-    align_compiled_keys, canonical, find_record, install_record, metadata_record, options_of, records,
+    align_compiled_keys, canonical, find_record, install_record, local_record, options_of, records,
 )
 from lightning_mrs.callbacks.swap_restore import restore
 from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
@@ -234,7 +234,7 @@ class NormSwap(Callback):
             if here != theirs:
                 what = type(layer).__name__ if layer is not None else "no such module"
                 bad[name] = (_keys(theirs, name), f"{_keys(here, name)} ({what})")
-        recorded = metadata_record(state_dict) if prefix == "" else None
+        recorded = local_record(local_metadata)
         if not bad:
             if recorded is not None and "layers" in recorded:
                 self._refuse_other_layers(recorded, strict)

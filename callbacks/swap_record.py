@@ -31,7 +31,7 @@ from torch import nn
 from lightning_mrs.swap.spec import LayerRecord
 
 __all__ = ["RECORD_KEY", "RecordHook", "align_compiled_keys", "canonical", "find_record", "install_record",
-           "metadata_record", "model_names", "options_of", "records"]
+           "local_record", "metadata_record", "model_names", "options_of", "records"]
 
 #: the key of the record in the module's ``state_dict`` metadata
 RECORD_KEY = "lightning_mrs.NormSwap"
@@ -65,12 +65,16 @@ def is_record(state: Any) -> bool:
     return isinstance(state, dict) and ("layers" in state or "converted" in state)
 
 
+def local_record(local_metadata: Any) -> Optional[dict[str, Any]]:
+    """The record in one module's metadata (what a load-state-dict pre-hook gets), or ``None``."""
+    found = local_metadata.get(RECORD_KEY) if isinstance(local_metadata, dict) else None
+    return found if is_record(found) else None
+
+
 def metadata_record(state_dict: Any) -> Optional[dict[str, Any]]:
     """The record in a ``state_dict``'s root metadata, or ``None``."""
     metadata = getattr(state_dict, "_metadata", None)
-    root = metadata.get("") if isinstance(metadata, dict) else None
-    found = root.get(RECORD_KEY) if isinstance(root, dict) else None
-    return found if is_record(found) else None
+    return local_record(metadata.get("") if isinstance(metadata, dict) else None)
 
 
 def find_record(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
