@@ -1,5 +1,5 @@
 """Lightning callbacks of lightning-mrs: ``NormSwap``, ``GradientHomogeneityMonitor``, ``AttentionMonitor`` and
-``OutlierMonitor``."""
+``OutlierMonitor``; and ``NormSwapMixin``, for ``load_from_checkpoint`` of a module trained with NormSwap."""
 
 import importlib.util
 
@@ -10,5 +10,6 @@ from lightning_mrs.callbacks.attention import AttentionMonitor
 from lightning_mrs.callbacks.homogeneity import GradientHomogeneityMonitor
 from lightning_mrs.callbacks.norm_swap import NormSwap
 from lightning_mrs.callbacks.outlier import OutlierMonitor
+from lightning_mrs.callbacks.swap_mixin import NormSwapMixin
 
-__all__ = ["AttentionMonitor", "GradientHomogeneityMonitor", "NormSwap", "OutlierMonitor"]
+__all__ = ["AttentionMonitor", "GradientHomogeneityMonitor", "NormSwap", "NormSwapMixin", "OutlierMonitor"]

@@ -17,7 +17,9 @@ class is that common part:
 * while a capture is open, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``,
   :data:`~lightning_mrs.callbacks.capture.eager_while_capturing`): hooks registered on a model
   after ``torch.compile`` traced it are not called by compiled code, so the logging batch runs
-  without compilation and the figures are those of the eager model;
+  without compilation and the figures are those of the eager model (with an interval of 1 every
+  batch is a logging batch, so a compiled model never runs compiled: warned once, at the start of
+  training or after the first batch for a model compiled in its first step);
 * :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
   monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`);
 * ``state_dict`` keeps ``n_logs`` and the logging-step count.
@@ -132,6 +134,7 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
         self._start_step = 0
         self._layout_written = False
         self._warned: set[str] = set()
+        self._compile_checked = False  # a model compiled in its first training step is seen after it
 
     # ------------------------------------------------------------------ what a subclass adds
     @abstractmethod
@@ -181,6 +184,19 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
         finally:
             eager_while_capturing.exit()
 
+    def _warn_always_eager(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn (once) when every step is a logging step, so a compiled model runs eagerly throughout."""
+        interval = self._interval(trainer)
+        if interval == 1 and _compiled(pl_module):
+            where = (f"{self.owner}(log_every_n_steps=1)" if self.log_every_n_steps is not None
+                     else "Trainer(log_every_n_steps=1)")
+            self._warn_once("compiled", (
+                f"{self.owner}: with {where} every training step is a logging step, and a logging step runs the model "
+                "eagerly (torch.compiler.set_stance('force_eager'), so that the monitor's hooks fire): the "
+                f"torch.compile'd model never runs compiled in this run. Pass {self.owner}(log_every_n_steps=N) with "
+                "N > 1 (e.g. 50): the other steps then run compiled."
+            ))
+
     def _warn_interval(self, trainer: pl.Trainer, end: float, ended: bool) -> None:
         """Warn (once) when no logging step lies in ``[start, end)``."""
         if trainer.loggers:
@@ -213,6 +229,8 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
             self._warn_once("resume", guessed)
         self._start_step = self._steps.current(trainer, pl_module)
         self._warn_interval(trainer, LoggingSteps.run_length(trainer), ended=False)
+        self._compile_checked = False
+        self._warn_always_eager(trainer, pl_module)
 
     @override
     def on_train_batch_start(
@@ -247,6 +265,9 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
                     self._n_logs += 1
         finally:
             self._steps.batch_done(pl_module)
+            if not self._compile_checked:  # a model compiled inside its first training_step
+                self._compile_checked = True
+                self._warn_always_eager(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -270,3 +291,12 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._n_logs = int(state_dict.get("n_logs", 0))
         self._steps.load_state_dict(state_dict)
+
+
+def _compiled(pl_module: pl.LightningModule) -> bool:
+    """``pl_module`` or one of its submodules is ``torch.compile``'d (``trainer.fit(torch.compile(model))``
+    leaves Lightning's ``_compiler_ctx`` on the unwrapped module)."""
+    from torch._dynamo import OptimizedModule  # Lightning imports it already
+
+    return getattr(pl_module, "_compiler_ctx", None) is not None or any(
+        isinstance(m, OptimizedModule) for m in pl_module.modules())

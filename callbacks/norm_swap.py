@@ -8,9 +8,12 @@ to be idempotent). Nothing of the LightningModule is rebound: the checkpoint che
 load-state-dict pre-hook on the module, removed when the stage starts.
 
 What the swap built (every norm layer of the target's kind, see
-:func:`lightning_mrs.swap.spec.describe_layers`) is the callback's state, so it is in every
-checkpoint; resuming compares what this run built with it, and :meth:`NormSwap.restore`
-rebuilds a fresh model for inference.
+:func:`lightning_mrs.swap.spec.describe_layers`) is the callback's state, and the module's
+``state_dict`` carries it too (its metadata, :mod:`lightning_mrs.callbacks.swap_record`), so it
+is in every checkpoint, weights-only ones included; resuming or predicting from a checkpoint
+compares what this run built with it, and :meth:`NormSwap.restore` (or
+:class:`~lightning_mrs.callbacks.NormSwapMixin` for ``load_from_checkpoint``) rebuilds a fresh
+model for inference.
 
 Strategies: ``strategy="ddp"`` (one script process per device) works, and so does FSDP2,
 Lightning's ``ModelParallelStrategy``: its ``configure_model`` is where the user parallelises
@@ -33,8 +36,7 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -42,12 +44,15 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 import lightning_mrs
-from lightning_mrs.callbacks.checkpoint_file import load_weights, read_metadata
-from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
-from lightning_mrs.swap.options import check_bool, check_model
-from lightning_mrs.swap.spec import (
-    LayerRecord, describe_layers, differences, format_record, is_qk_name, rebuild, rebuild_v1,
+from lightning_mrs.callbacks.checkpoint_file import read_metadata
+from lightning_mrs.callbacks.norm_swap_strategies import refuse_parallelised, refuse_unsupported
+from lightning_mrs.callbacks.swap_record import (
+    align_compiled_keys, canonical, find_record, install_record, local_record, options_of, records,
 )
+from lightning_mrs.callbacks.swap_restore import restore
+from lightning_mrs.swap import SwapOptions, SwapReport, iter_norm_layers, swap_norms
+from lightning_mrs.swap.options import check_bool
+from lightning_mrs.swap.spec import LayerRecord, describe_layers, differences, format_record, is_qk_name
 
 __all__ = ["NormSwap"]
 
@@ -100,14 +105,18 @@ class NormSwap(Callback):
         self._handle: Optional[RemovableHandle] = None
         self._unchecked = False  # a setup whose late-built layers are still to be looked for
         self._parallel = False  # ModelParallelStrategy: swapped before configure_model
+        self._fitting = True  # the stage of the last setup: what a refusal advises
+        self._unrecorded = False  # weights loaded without a record: warned at the stage's start
 
     # ------------------------------------------------------------------ swapping
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        _refuse_unsupported(trainer)
+        refuse_unsupported(trainer)
         self._parallel = isinstance(trainer.strategy, ModelParallelStrategy)
+        self._fitting = str(getattr(stage, "value", stage)) == "fit"
+        self._unrecorded = False
         if self._parallel:
-            _refuse_parallelised(pl_module)  # configure_model (Lightning's call, next) shards what is swapped here
+            refuse_parallelised(pl_module)  # configure_model (Lightning's call, next) shards what is swapped here
         elif is_overridden("configure_model", pl_module):
             # build the layers now, where Lightning would; its own call is then a no-op
             with trainer.strategy.tensor_init_context(), trainer.strategy.model_sharded_context(), \
@@ -118,6 +127,7 @@ class NormSwap(Callback):
         self._layers = describe_layers(pl_module, self.options.target)
         self._present = {name for name, _, _ in iter_norm_layers(pl_module)}  # every norm the swap saw or built
         self._unchecked = True
+        install_record(pl_module, self.state_dict())  # weights-only checkpoints carry it in the state_dict
         if self.verbose:
             when = f"NormSwap (setup, stage={getattr(stage, 'value', stage)})"
             if report.converted or report.qk_added or report.attention_replaced:
@@ -130,7 +140,7 @@ class NormSwap(Callback):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._stage_started(pl_module)
+        self._stage_started(trainer, pl_module)
         owned = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
         modules = dict(pl_module.named_modules())
         orphans = [name for name in self._layers if name in modules
@@ -143,20 +153,21 @@ class NormSwap(Callback):
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._stage_started(pl_module)
+        self._stage_started(trainer, pl_module)
 
     @override
     def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._stage_started(pl_module)
+        self._stage_started(trainer, pl_module)
 
     @override
     def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._stage_started(pl_module)
+        self._stage_started(trainer, pl_module)
 
-    def _stage_started(self, pl_module: nn.Module) -> None:
+    def _stage_started(self, trainer: "pl.Trainer", pl_module: nn.Module) -> None:
         """Checkpoint weights are loaded by now: drop the check, and look once per setup for
         norm layers built after the swap."""
         self._remove_hook()
+        self._warn_unrecorded(trainer)
         if self._unchecked:
             self._unchecked = False
             self._refuse_late_layers(pl_module)
@@ -199,9 +210,13 @@ class NormSwap(Callback):
         local_metadata: Any, strict: bool, *args: Any,
     ) -> None:
         """Before Lightning loads a checkpoint's weights: every norm layer's keys and shapes
-        must be the checkpoint's, or the load would fail with bare size-mismatch errors."""
+        must be the checkpoint's, or the load would fail with bare size-mismatch errors; and the
+        layers the weights' metadata records must be this run's (same shapes, other computation:
+        ``spatial``, ``eps``). Weights saved from a compiled submodule (``_orig_mod.`` in their
+        names) are renamed to this model's names, and the other way round."""
         self._refuse_late_layers(module)
         own = module.state_dict()
+        align_compiled_keys(state_dict, own.keys(), prefix)
         bad: dict[str, tuple[str, str]] = {}
         # every norm here, and every QK-norm the checkpoint has (this run may not have added it)
         names = [name for name, _, _ in iter_norm_layers(module)]
@@ -219,29 +234,72 @@ class NormSwap(Callback):
             if here != theirs:
                 what = type(layer).__name__ if layer is not None else "no such module"
                 bad[name] = (_keys(theirs, name), f"{_keys(here, name)} ({what})")
+        recorded = local_record(local_metadata)
         if not bad:
+            if recorded is not None and "layers" in recorded:
+                self._refuse_other_layers(recorded, strict)
+            # the callback's state may still hold one (a full checkpoint of lightning-mrs 0.2): on_load_checkpoint
+            self._unrecorded = recorded is None and bool(self._layers)
             return
-        spec = _checkpoint_spec(trainer)
-        saved = _records(spec) if spec is not None and "layers" in spec else None
+        spec = recorded or _checkpoint_spec(trainer)
+        saved = records(spec) if spec is not None and "layers" in spec else None
         lines = []
         for name, (theirs, here) in bad.items():
-            ckpt = theirs if saved is None else f"{format_record(saved.get(name))} {theirs}"
+            ckpt = theirs if saved is None else f"{format_record(saved.get(canonical(name)))} {theirs}"
             lines.append(f"{name}: checkpoint {ckpt}, this run {format_record(self._layers.get(name))} {here}")
-        raise MisconfigurationException(self._refusal(spec, lines, "its weights cannot be loaded"))
+        raise MisconfigurationException(self._refusal(spec, lines))
 
-    def _refusal(self, spec: Optional[dict[str, Any]], lines: list[str], what: str) -> str:
-        if spec is None:
+    def _refuse_other_layers(self, spec: dict[str, Any], strict: bool = True) -> None:
+        """Refuse a checkpoint whose recorded layers are not the ones this run built (a partial,
+        non-strict load: those both have)."""
+        saved = records(spec)
+        built = {canonical(name): record for name, record in self._layers.items()}
+        if not strict:
+            saved = {k: v for k, v in saved.items() if k in built}
+            built = {k: v for k, v in built.items() if k in saved}
+        if saved != built:
+            raise MisconfigurationException(
+                self._refusal(spec, differences(saved, built, limit=len(saved) + len(built))))
+
+    def _refusal(self, spec: Optional[dict[str, Any]], lines: list[str]) -> str:
+        """The one message of every layer mismatch, in fit (resume) and in validate/test/predict."""
+        if spec is None and self._fitting:
             advice = ("The checkpoint has no NormSwap record: it was trained without NormSwap. Resume it without "
                       "NormSwap; to fine-tune its weights with MRSNorm, load them into the model before fit (e.g. in "
                       "__init__) instead of passing ckpt_path, and NormSwap swaps them with init='inherit'.")
+        elif spec is None:
+            advice = "The checkpoint has no NormSwap record: it was trained without NormSwap. Run it without NormSwap."
         else:
-            advice = (f"The checkpoint was written with NormSwap({_options_of(spec)}): resume with those options. "
+            then = "resume with those options" if self._fitting else "pass NormSwap with those options to this Trainer"
+            advice = (f"The checkpoint was written with NormSwap({options_of(spec)}): {then}. "
                       "For inference, NormSwap.restore(model, path) rebuilds what the checkpoint records.")
         shown = lines[:_SHOWN] + ([f"... and {len(lines) - _SHOWN} more"] if len(lines) > _SHOWN else [])
         return (
             f"NormSwap({self.options.describe()}): the checkpoint's norm layers differ from the ones this run built, "
-            f"so {what}:\n  " + "\n  ".join(shown) + f"\n{advice}"
+            "so its weights cannot be loaded:\n  " + "\n  ".join(shown) + f"\n{advice}"
         )
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        # a full checkpoint (Lightning calls this only when it has callback states): its record is checked
+        # in load_state_dict
+        if find_record(checkpoint) is not None:
+            self._unrecorded = False
+
+    def _warn_unrecorded(self, trainer: "pl.Trainer") -> None:
+        """After the weights loaded (their names and shapes checked): warn when nothing recorded
+        the layers they were trained in."""
+        if self._unrecorded:
+            self._unrecorded = False
+            rank_zero_warn(
+                f"NormSwap({self.options.describe()}): the checkpoint {trainer.ckpt_path} has no NormSwap record "
+                "(trained without NormSwap, or saved with weights_only=True by lightning-mrs 0.2 or older), so only "
+                "its weights' names and shapes could be checked, not the swapped layers' kind, layout (per sample "
+                "or per position) or eps: if it was trained with other NormSwap options, this run computes "
+                "something else with the same weights. Pass the NormSwap options it was trained with."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -262,12 +320,7 @@ class NormSwap(Callback):
         if not state_dict or self.report is None:
             return
         if "layers" in state_dict:
-            saved = _records(state_dict)
-            if saved != self._layers:
-                raise MisconfigurationException(
-                    self._refusal(state_dict, differences(saved, self._layers, limit=len(saved) + len(self._layers)),
-                                  "training cannot resume")
-                )
+            self._refuse_other_layers(state_dict)
             return
         # version 1 (lightning-mrs 0.1): the options and the names the swap converted
         opts = self.options
@@ -276,14 +329,15 @@ class NormSwap(Callback):
             opts.target, opts.spatial, opts.eps)
         missing = [name for name in converted if name not in self._layers]
         if not same or missing:
-            lines = [] if same else [f"checkpoint NormSwap({_options_of(state_dict)}), this run "
+            lines = [] if same else [f"checkpoint NormSwap({options_of(state_dict)}), this run "
                                      f"NormSwap({opts.describe()})"]
             lines += [f"{name}: checkpoint converted it, this run did not" for name in missing]
-            raise MisconfigurationException(self._refusal(state_dict, lines, "training cannot resume"))
+            raise MisconfigurationException(self._refusal(state_dict, lines))
 
     @staticmethod
     def restore(
-        model: nn.Module, checkpoint_path: Union[str, os.PathLike], map_location: Any = "cpu", strict: bool = True
+        model: nn.Module, checkpoint_path: Union[str, os.PathLike], map_location: Any = "cpu", strict: bool = True,
+        weights_only: bool = True,
     ) -> nn.Module:
         """Rebuild a checkpoint's recorded swap on a fresh ``model`` and load its weights.
 
@@ -292,11 +346,16 @@ class NormSwap(Callback):
                 or a plain module whose ``state_dict`` keys match the checkpoint's). Its
                 ``configure_model`` hook, if any, is called first, except for a model trained
                 under ``ModelParallelStrategy`` (there that hook shards: the model is used unsharded).
+                Compiled or not: weights saved from a compiled submodule (``_orig_mod.`` in their
+                names) load into the uncompiled one, and the other way round.
             checkpoint_path: a Lightning checkpoint written with ``NormSwap`` in the callbacks
-                (by lightning-mrs 0.2, or 0.1): a file, or the directory of shards that
-                ``ModelParallelStrategy`` writes (read in this one process).
+                (by lightning-mrs 0.2, or 0.1; a weights-only one from 0.3 on): a file, or the
+                directory of shards that ``ModelParallelStrategy`` writes (read in this one process).
             map_location: passed to ``torch.load``.
             strict: passed to ``load_state_dict``.
+            weights_only: passed to ``torch.load``. ``True`` reads tensors and plain data only, so a
+                file cannot run code while it is read; a file that holds other objects is refused,
+                naming them. Pass ``False`` only for a file from a source you trust.
 
         Returns:
             ``model``, swapped exactly like the trained one and holding its weights.
@@ -304,71 +363,15 @@ class NormSwap(Callback):
         Raises:
             FileNotFoundError: no file at ``checkpoint_path``.
             ValueError: the file is not a readable checkpoint (truncated, another kind of
-                file), it has no NormSwap record, or ``model`` cannot be made to match it
-                (another architecture), listing the layers concerned.
-            TypeError: ``model`` is not an ``nn.Module``, or ``strict`` is not a bool.
+                file), it holds objects a ``weights_only=True`` load refuses, it has no NormSwap
+                record, or ``model`` cannot be made to match it (another architecture), listing
+                the layers concerned.
+            TypeError: ``model`` is not an ``nn.Module``, or ``strict``/``weights_only`` is not a bool.
 
         Example:
             >>> model = NormSwap.restore(LitResNet(), "epoch=9.ckpt").eval()  # doctest: +SKIP
         """
-        check_model("NormSwap.restore", model)
-        check_bool("NormSwap.restore", "strict", strict)
-        checkpoint = read_metadata(checkpoint_path, map_location)  # a file, or ModelParallelStrategy's shards' meta.pt
-        spec = _find_spec(checkpoint)
-        if spec is None:
-            raise ValueError(
-                f"NormSwap.restore: {checkpoint_path} holds no NormSwap record (was it saved with "
-                "weights_only=True, or without the NormSwap callback?). Call lightning_mrs.swap_norms(model, "
-                "...) with the training options yourself, then model.load_state_dict(...)."
-            )
-        configure_model = getattr(model, "configure_model", None)
-        if callable(configure_model) and not spec.get("before_configure_model"):
-            configure_model()  # models built there (Lightning asks for it to be idempotent)
-        try:
-            if "layers" in spec:
-                rebuild(model, spec["target"], _records(spec))
-            else:
-                rebuild_v1(model, spec)
-        except ValueError as err:
-            raise ValueError(f"NormSwap.restore({checkpoint_path}): {err}") from None
-        load_weights(model, checkpoint_path, checkpoint, strict)
-        return model
-
-
-def _refuse_unsupported(trainer: "pl.Trainer") -> None:
-    strategy = trainer.strategy
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
-        raise MisconfigurationException(
-            f"NormSwap does not support {type(strategy).__name__}: it wraps and shards the parameters itself, so norm "
-            "layers cannot be replaced module by module once the strategy owns them (and Lightning runs it on GPUs "
-            "only). Use FSDP2 instead: strategy=ModelParallelStrategy(), the model built in __init__ and sharded with "
-            "torch.distributed.fsdp.fully_shard in configure_model; NormSwap swaps before that. Or call "
-            "`lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's __init__ and remove "
-            "NormSwap from the callbacks. Supported strategies: single device, DDP (strategy='ddp') and "
-            "ModelParallelStrategy (FSDP2)."
-        )
-    if isinstance(strategy.launcher, _MultiProcessingLauncher):
-        raise MisconfigurationException(
-            "NormSwap does not support strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook' (Lightning's "
-            "multiprocessing launcher): the worker processes would swap and train their own copies of the model, "
-            "then Lightning loads rank 0's weights into the main process's model, which no callback can swap, and "
-            "that load fails. Use strategy='ddp' (one script process per device), or, where only a fork works "
-            "(notebooks), call `lightning_mrs.swap_norms(self.<backbone>)` at the end of your LightningModule's "
-            "__init__ and remove NormSwap from the callbacks."
-        )
-
-
-def _refuse_parallelised(pl_module: nn.Module) -> None:
-    """Under ModelParallelStrategy the swap needs the model as ``__init__`` built it, unsharded."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [name for name, p in pl_module.named_parameters() if isinstance(p, DTensor)]
-    if sharded:
-        raise MisconfigurationException(
-            f"NormSwap: the model is already parallelised before the swap (DTensor parameters such as {sharded[0]!r}); "
-            "under ModelParallelStrategy build the model in __init__ and shard it (fully_shard) in configure_model, "
-            "which Lightning calls after NormSwap's setup."
-        )
+        return restore(model, checkpoint_path, map_location, strict, weights_only)
 
 
 def _shapes(state: dict[str, Any], prefix: str, strip: int = 0) -> dict[str, tuple[int, ...]]:
@@ -382,25 +385,6 @@ def _keys(shapes: dict[str, tuple[int, ...]], name: str) -> str:
     return "[" + ", ".join(f"{k[len(name) + 1:]} {tuple(v)}" for k, v in sorted(shapes.items())) + "]"
 
 
-def _records(spec: dict[str, Any]) -> dict[str, LayerRecord]:
-    return {name: dict(record) for name, record in (spec.get("layers") or {}).items()}
-
-
-def _options_of(spec: dict[str, Any]) -> str:
-    if "options" in spec:
-        return str(spec["options"])
-    if "layers" in spec:
-        return f"target={spec.get('target')!r}, ..."
-    return f"target={spec.get('target')!r}, spatial={spec.get('spatial', 'auto')!r}, eps={spec.get('eps')!r}"
-
-
-def _find_spec(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
-    for key, state in (checkpoint.get("callbacks") or {}).items():
-        if str(key).startswith("NormSwap") and isinstance(state, dict) and ("layers" in state or "converted" in state):
-            return state
-    return None
-
-
 def _checkpoint_spec(trainer: "pl.Trainer") -> Optional[dict[str, Any]]:
     """The NormSwap record of the checkpoint being resumed, read again for an error message
     (the load-state-dict pre-hook sees the weights only); ``None`` when unreadable."""
@@ -408,6 +392,6 @@ def _checkpoint_spec(trainer: "pl.Trainer") -> Optional[dict[str, Any]]:
     if not path:
         return None
     try:
-        return _find_spec(trainer.strategy.checkpoint_io.load_checkpoint(path, map_location="cpu"))
+        return find_record(read_metadata(path, "cpu"))  # weights_only=True: never code from the file
     except Exception:  # noqa: BLE001 - only a better error message is at stake
         return None

@@ -153,14 +153,15 @@ def fit(
 
 def normswap_record(path: Path) -> dict[str, Any]:
     """The NormSwap callback's state in the checkpoint at ``path``."""
-    (state,) = [v for k, v in torch.load(path, weights_only=False)["callbacks"].items() if k.startswith("NormSwap")]
+    # weights_only=True: the record must be plain data (what NormSwap.restore reads safely)
+    (state,) = [v for k, v in torch.load(path, weights_only=True)["callbacks"].items() if k.startswith("NormSwap")]
     return state
 
 
 def assert_same_model(restored: nn.Module, path: Path, trained: nn.Module, x: torch.Tensor) -> None:
     """``restored`` holds exactly the weights of the checkpoint at ``path`` (same keys, same
     order, equal tensors) and computes on ``x`` what ``trained`` does, to the bit."""
-    saved = torch.load(path, weights_only=False)["state_dict"]
+    saved = torch.load(path, weights_only=True)["state_dict"]
     got = restored.state_dict()
     assert list(got) == list(saved)
     for key, value in saved.items():
