@@ -98,11 +98,26 @@ def test_gemma_rms_keeps_the_stored_weight_convention(tmp_path):
     assert isinstance(model.model.norm, OffsetRMSNorm) and torch.equal(model.model.norm.weight, before)
 
 
-def test_mrs_weights_refuse_a_plain_load_even_with_an_explicit_attention(tmp_path):
-    """``attn_implementation=`` overrides the guard; an MRS body still fails on its weights' shapes."""
-    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
-    with pytest.raises(RuntimeError, match="mismatch"):
+@pytest.mark.parametrize("options", [dict(target="mrs"), dict(target=None, qk_norm="mrs"), dict(target="layer")])
+def test_an_explicit_attention_still_gets_the_documented_message(tmp_path, options):
+    """``attn_implementation=`` overrides the attention guard; the experts guard still refuses, with the message
+    (before, an MRS body failed on a size mismatch and a QK-only or ``layer`` swap loaded as another model)."""
+    _, path = _saved(tmp_path, "llama", {}, options)
+    with pytest.raises(ValueError, match="load with lightning_mrs.from_pretrained"):
         transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+
+def test_a_reloaded_model_saves_its_guards_again(tmp_path):
+    """The guards live in config.json; a model loaded by lightning_mrs and saved again keeps them."""
+    model, path = _saved(tmp_path / "a", "llama", {}, dict(target=None, qk_norm="mrs"))
+    again = from_pretrained(path)
+    again.save_pretrained(tmp_path / "b")
+    with pytest.raises(ValueError, match="load with lightning_mrs.from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+    third = from_pretrained(tmp_path / "b", attn_implementation="eager")
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(third(ids).logits, model(ids).logits)
 
 
 def test_a_directory_without_a_record_loads_as_transformers_does(tmp_path):

@@ -12,12 +12,17 @@ transformers model therefore writes (:func:`record_in_configs`):
   transformers' own class, given these weights, computes the same thing (an *own-kind* swap:
   Llama's ``LlamaRMSNorm`` -> ``nn.RMSNorm``, Gemma's -> ``OffsetRMSNorm``, which stores ``w``
   as Gemma does);
-* ``config.attn_implementation = GUARD`` when any layer is not plain. transformers reads this
-  key of ``config.json`` as the attention implementation to use and refuses an unknown one, so a
-  plain ``AutoModelForCausalLM.from_pretrained`` of such a directory raises ``ValueError``
-  (naming lightning_mrs and ``trust_remote_code=True``) instead of building another model;
-  ``AutoConfig`` and tokenizers still load. In memory the attribute is inert: the model's
-  attention is untouched. The public ``swap_norms`` then makes such a model a custom architecture
+* ``config.attn_implementation = GUARD`` and ``config.experts_implementation = GUARD`` when any
+  layer is not plain. transformers reads these keys of ``config.json`` as the attention and the
+  experts implementation to use, and every ``PreTrainedModel.__init__`` refuses an unknown one
+  (``_check_and_adjust_attn_implementation``, ``_check_and_adjust_experts_implementation``,
+  transformers 5), so a plain ``AutoModelForCausalLM.from_pretrained`` of such a directory raises
+  ``ValueError`` (naming lightning_mrs) instead of building another model; ``AutoConfig`` and
+  tokenizers still load. The experts key keeps the guard when the call names an
+  ``attn_implementation=`` (which overrides the first key): nothing but the rarely given
+  ``experts_implementation=`` overrides it, and it is checked for every model, with or without
+  experts. In memory both attributes are inert: the model's attention is untouched.
+  The public ``swap_norms`` then makes such a model a custom architecture
   (:mod:`lightning_mrs.swap.modeling_lightning_mrs`) whose code ``save_pretrained`` writes beside
   the weights, with ``config.auto_map`` naming it, so that transformers loads the directory by
   itself with ``trust_remote_code=True``.
@@ -49,7 +54,8 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.report import SwapReport
 from lightning_mrs.version import __version__
 
-__all__ = ["GUARD", "RECORD_KEY", "hf_roots", "is_guard", "loads_as_saved", "record_in_configs", "swap_record"]
+__all__ = ["GUARD", "GUARDED_KEYS", "RECORD_KEY", "guard", "hf_roots", "is_guard", "loads_as_saved", "record_in_configs",
+           "swap_record", "unguard"]
 
 RECORD_KEY = "lightning_mrs"
 #: the value of ``attn_implementation`` in a swapped model's ``config.json``: an implementation
@@ -58,6 +64,24 @@ GUARD = ("lightning_mrs (norms swapped by lightning-mrs: load with lightning_mrs
          "trust_remote_code=True to run the saved modeling_lightning_mrs.py)")
 _GUARD_START = "lightning_mrs (norms swapped by lightning-mrs"  # every release's guard starts so
 _FORMAT = 1
+#: the config keys that hold :data:`GUARD` in ``config.json`` (each refused by transformers' model ``__init__``)
+GUARDED_KEYS = ("attn_implementation", "experts_implementation")
+
+
+def guard(config: Any) -> None:
+    """Write :data:`GUARD` into ``config``'s :data:`GUARDED_KEYS`, as plain attributes: inert in
+    memory, saved into ``config.json`` by ``save_pretrained``, where a plain load refuses them."""
+    for key in GUARDED_KEYS:
+        setattr(config, key, GUARD)
+
+
+def unguard(config: Any) -> None:
+    """Undo what loading a guarded ``config.json`` did: transformers' config reads both keys into
+    ``_attn_implementation`` / ``_experts_implementation``; a guard there becomes ``None`` (the
+    default implementation), an implementation the caller chose stays."""
+    for key in GUARDED_KEYS:
+        if is_guard(getattr(config, f"_{key}", None)):
+            setattr(config, f"_{key}", None)
 
 
 def is_guard(value: Any) -> bool:
@@ -176,4 +200,4 @@ def record_in_configs(model: nn.Module, report: SwapReport, built: dict[str, tup
         record["version"] = __version__
         setattr(root.config, RECORD_KEY, record)
         if not all(entry.get("plain") for entry in layers.values()):
-            root.config.attn_implementation = GUARD
+            guard(root.config)

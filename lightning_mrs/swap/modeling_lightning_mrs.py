@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mrs.swap.hf_record import RECORD_KEY, hf_roots, is_guard, swap_record
+from lightning_mrs.swap.hf_record import RECORD_KEY, hf_roots, swap_record, unguard
 from lightning_mrs.swap.spec import rebuild
 
 __all__ = ["PREFIX", "adopt", "auto_map", "base_class", "swapped_class"]
@@ -84,8 +84,7 @@ def _rebuild_recorded(model: nn.Module, config: Any) -> None:
 
 
 def _init(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
-    if is_guard(getattr(config, "_attn_implementation", None)):  # read from config.json as the attention to use
-        config._attn_implementation = None
+    unguard(config)  # the guards config.json holds for a plain load; an implementation the caller named stays
     base_class(type(self)).__init__(self, config, *args, **kwargs)
     _rebuild_recorded(self, config)
 
