@@ -1,8 +1,12 @@
-"""Training recipes of lightning-mrs: ``cifar100.py`` (LightningCLI) and ``stress.py`` (the stress sweeps).
+"""Training recipes of lightning-mrs. On top, what you run (from the repository root): ``cifar100.py`` (an image
+classifier, LightningCLI), ``lm.py`` (a causal language model, LightningCLI), ``stress.py`` (the stress
+sweeps), ``export_hf.py`` (an LM checkpoint as a Hugging Face directory), and ``configs/``; e.g.
+``python recipes/cifar100.py --help``.
 
-The model: ``classifier.py`` (``ImageClassifier``); the data: ``data.py`` (CIFAR-100, scikit-learn's
-digits, your image folders, or ``synthetic.py``); the sweeps' package: ``sweeps/``. Run the recipes as
-scripts from the repository root, e.g. ``python recipes/cifar100.py --help``.
+What they are built from: ``vision/`` (the image classifier, its models and DataModules), ``text/`` (the
+causal LM module, its model, text and DataModule), ``common/`` (what both use: training helpers, checkpoints,
+interrupts, HParams, optimizers, usage errors), and ``sweeps/`` (the sweeps' runner, kinds, claims and cells).
+The module names from before this layout still import (:mod:`recipes.common.moved`).
 """
 
 import importlib.util
@@ -13,3 +17,7 @@ _NEEDS = ("lightning", "torchvision", "timm", "torchmetrics", "tensorboard", "js
 _MISSING = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
 if _MISSING:
     raise ImportError(f"the recipes need {', '.join(_MISSING)}: pip install -e '.[recipes]' (from the repository root)")
+
+from recipes.common.moved import install as _install_moved  # noqa: E402  (after the check of what is missing)
+
+_install_moved()

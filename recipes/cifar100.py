@@ -17,7 +17,7 @@ recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLU
 ``srun`` (``--ntasks-per-node G``); Lightning picks the environment up and runs DDP.
 
 Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
-AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.optim`),
+AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.common.optim`),
 linear warm-up then cosine decay stepped every optimizer step, precision ``bf16-mixed`` on GPUs that support it
 (``16-mixed`` otherwise) and ``32-true`` on the CPU unless ``--trainer.precision`` is given
 (``16-mixed`` on the CPU: float16 autocast with a GradScaler, not Lightning's bfloat16),
@@ -25,13 +25,13 @@ DDP when more than one device, TensorBoard logs under ``--trainer.default_root_d
 (``tensorboard --logdir <dir>``), checkpoints ``last.ckpt`` and the best ``val/top1``,
 ``GradientHomogeneityMonitor`` (``--monitor.*``) and, for models with attention layers,
 ``AttentionMonitor`` (``--attention.*``), and the run's settings and final metrics in TensorBoard's
-HParams dashboard (:class:`recipes.hparams.HParamsSummary`); ``--ckpt_path`` is checked first.
+HParams dashboard (:class:`recipes.common.hparams.HParamsSummary`); ``--ckpt_path`` is checked first.
 ``val/top1``, ``val/top5`` and ``train/top1`` are plain (micro) accuracies: the share of
 samples whose label is among the top k logits, as papers report them. The data
-(:mod:`recipes.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
+(:mod:`recipes.vision.data`: cifar100, digits, folder, synthetic) sets ``--model.num_classes``.
 
-The model is :class:`recipes.classifier.ImageClassifier` (``--model.*``), the data
-:class:`recipes.data.ImageDataModule` (``--data.*``); this script is their command line.
+The model is :class:`recipes.vision.classifier.ImageClassifier` (``--model.*``), the data
+:class:`recipes.vision.data.ImageDataModule` (``--data.*``); this script is their command line.
 
 A user mistake (an unknown ``--model.arch``, a bad option value, a malformed image folder,
 CIFAR-100 missing offline, ...) is one ``error: ...`` line on stderr and exit status 2.
@@ -57,14 +57,14 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
-from recipes.checkpoints import check_checkpoint
-from recipes.classifier import ImageClassifier
-from recipes.data import ImageDataModule
-from recipes.errors import UsageError
-from recipes.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
-from recipes.interrupt import SaveOnInterrupt, run_resumable
-from recipes.models import check_input_size
-from recipes.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
+from recipes.common.checkpoints import check_checkpoint
+from recipes.vision.classifier import ImageClassifier
+from recipes.vision.data import ImageDataModule
+from recipes.common.errors import UsageError
+from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
+from recipes.common.interrupt import SaveOnInterrupt, run_resumable
+from recipes.vision.models import check_input_size
+from recipes.common.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
 
@@ -160,7 +160,7 @@ def main(args: Optional[list[str]] = None) -> None:
 def run(args: Optional[list[str]] = None) -> int:
     """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
     the step running finishes, a checkpoint is saved and the command that resumes printed (exit 130;
-    :func:`recipes.interrupt.run_resumable`)."""
+    :func:`recipes.common.interrupt.run_resumable`)."""
     return run_resumable(build_cli, SCRIPT, args)
 
 

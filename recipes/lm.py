@@ -20,16 +20,16 @@ Run from the repository root (no subcommand: the script fits, validating every
     python recipes/lm.py --monitors '[outlier, homogeneity, attention]' --outlier.log_every_n_steps 50
     python recipes/lm.py --help
 
-The model (:mod:`recipes.byte_lm`, built by :mod:`recipes.causal_lm`) is any transformers causal
+The model (:mod:`recipes.text.byte_lm`, built by :mod:`recipes.text.causal_lm`) is any transformers causal
 LM (``--model.arch``: a ``model_type``) built from its config with small defaults and
 ``--model.config`` overrides, nothing downloaded, its config checked before any weight exists;
 bytes are the tokens (vocabulary 256). Or ``--model.pretrained``: a checkpoint and its tokenizer
-(:mod:`recipes.pretrained_lm`, the text tokenized once into cached memory-mapped files,
-:mod:`recipes.token_cache`). ``val/loss`` is nats per token, ``val/bpb`` bits per UTF-8 byte of the
+(:mod:`recipes.text.pretrained`, the text tokenized once into cached memory-mapped files,
+:mod:`recipes.text.token_cache`). ``val/loss`` is nats per token, ``val/bpb`` bits per UTF-8 byte of the
 targets (``val/loss / ln 2`` for bytes), comparable across tokenizers. The data
-(:mod:`recipes.text_data`): the interpreter's standard library (``stdlib``) or your text files
+(:mod:`recipes.text.data`): the interpreter's standard library (``stdlib``) or your text files
 (``text``), split by file, random windows for training and a fixed set for validation. The end of
-fit exports the model as a Hugging Face directory (``--export``, :mod:`recipes.export_hf`).
+fit exports the model as a Hugging Face directory (``--export``, :mod:`recipes.text.export`).
 
 Defaults: AdamW (betas 0.9/0.95, lr 1e-3, decoupled weight decay 0.1 on weight matrices only:
 not on norms, biases and embeddings), linear warm-up then cosine decay stepped every step,
@@ -49,7 +49,7 @@ Resuming (``--ckpt_path``): the options that define the model (:data:`RESUME`) m
 checkpoint was trained with (else one error line names them); the others may change and are named
 in one notice line. Ctrl-C finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints the
 command that resumes and exits 130; the resumed run ends where the uninterrupted one would have.
-A crash saves ``crash.ckpt`` when it can (:mod:`recipes.interrupt`) and fails as usual.
+A crash saves ``crash.ckpt`` when it can (:mod:`recipes.common.interrupt`) and fails as usual.
 
 A user mistake (an unknown ``--model.arch`` or config field, an inconsistent config, a requested
 norm swap that converts nothing, a folder without text, too little text, a checkpoint of another
@@ -80,17 +80,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor, OutlierMonitor
-from recipes.byte_lm import ByteLM, FSDP2Strategy
-from recipes.causal_lm import require_transformers
-from recipes.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
-from recipes.errors import UsageError
-from recipes.hparams import FINAL, HParamsSummary, RunLogger
-from recipes.export_hf import ExportHF
-from recipes.interrupt import SaveOnInterrupt, run_resumable
-from recipes.pretrained_lm import check_vocab
-from recipes.text_data import TextDataModule
-from recipes.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
-                              note_processes)
+from recipes.text.byte_lm import ByteLM, FSDP2Strategy
+from recipes.text.causal_lm import require_transformers
+from recipes.common.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
+from recipes.common.errors import UsageError
+from recipes.common.hparams import FINAL, HParamsSummary, RunLogger
+from recipes.text.export import ExportHF
+from recipes.common.interrupt import SaveOnInterrupt, run_resumable
+from recipes.text.pretrained import check_vocab
+from recipes.text.data import TextDataModule
+from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
+                                     note_processes)
 
 __all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
            "cpu_fp16", "main", "run"]
@@ -152,7 +152,7 @@ DEFAULT_MONITORS = ["outlier", "homogeneity"]
 
 def fp16_plugin(precision: Any, accelerator: Any, strategy: Any) -> Optional[Any]:
     """The plugin of real float16 autocast with a loss scaler where Lightning would not give it: on the CPU
-    (:func:`recipes.training.cpu_fp16`) and under ``--trainer.strategy fsdp2`` on a GPU (Lightning refuses
+    (:func:`recipes.common.training.cpu_fp16`) and under ``--trainer.strategy fsdp2`` on a GPU (Lightning refuses
     ``16-mixed`` with ModelParallelStrategy; torch's ``GradScaler`` is right there: its Inf/NaN check of
     FSDP2's sharded gradients is reduced over the shards by DTensor, so every process skips the same steps)."""
     plugin = cpu_fp16(precision, accelerator)
@@ -297,12 +297,13 @@ class LMCLI(LightningCLI):
 
 
 def _one_row_per_step(trainer: Any) -> None:
-    """``--trainer.logger CSVLogger`` becomes :class:`recipes.hparams.StepCSVLogger` (same options, one row a step)."""
+    """``--trainer.logger CSVLogger`` becomes :class:`recipes.common.hparams.StepCSVLogger` (same options, one row
+    a step)."""
     loggers = trainer.get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if getattr(logger, "class_path", None) in ("lightning.pytorch.loggers.CSVLogger",
                                                    "lightning.pytorch.loggers.csv_logs.CSVLogger"):
-            logger.class_path = "recipes.hparams.StepCSVLogger"
+            logger.class_path = "recipes.common.hparams.StepCSVLogger"
 
 
 def build_cli(args: Optional[list[str]] = None) -> LMCLI:
@@ -335,5 +336,5 @@ def main(args: Optional[list[str]] = None) -> None:
 def run(args: Optional[list[str]] = None) -> int:
     """:func:`main` with user errors as one stderr line (exit 2), and Ctrl-C as a resumable interruption:
     the checkpoint saved and the command that resumes (exit 130). A crash says what it saved and fails
-    (:func:`recipes.interrupt.run_resumable`)."""
+    (:func:`recipes.common.interrupt.run_resumable`)."""
     return run_resumable(build_cli, SCRIPT, args)

@@ -42,15 +42,15 @@ Run from the repository root:
     # on your own images (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/*), any recipe model
     python recipes/stress.py --dataset folder --root DIR --epochs 30 --arch resnet50 --image-size 64
 
-Every cell trains ``recipes/classifier.py``'s ``ImageClassifier`` (the model of ``recipes/cifar100.py``) (``norm``: SGD, momentum 0.9,
-Nesterov; ``qk``: AdamW; cosine schedule stepped per step) on ``recipes/data.py``'s
+Every cell trains ``recipes/vision/classifier.py``'s ``ImageClassifier`` (the model of ``recipes/cifar100.py``)
+(``norm``: SGD, momentum 0.9, Nesterov; ``qk``: AdamW; cosine schedule stepped per step) on ``recipes/vision/data.py``'s
 ``ImageDataModule`` and records the best and final validation top-1, the first optimizer step
 whose training loss was non-finite (the cell then stops and counts as chance accuracy from
 there on) and the mean ``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of
 ``GradientHomogeneityMonitor``; a ``qk`` cell also the largest ``attention/all/logit_max``, the
 smallest ``attention/all/entropy_min`` and the largest ``attention/all/collapsed_frac`` of
 ``AttentionMonitor`` over training.
-An ``lm``/``lm-qk`` cell trains ``recipes/lm.py``'s ``ByteLM`` (:mod:`recipes.sweeps.lm_cell`) and records
+An ``lm``/``lm-qk`` cell trains ``recipes/lm.py``'s ``ByteLM`` (:mod:`recipes.sweeps.cells.lm`) and records
 the final and best validation bits per byte (a diverged cell counts as 8 bits per byte), the first
 non-finite loss step, the loss scaler's skipped steps and final scale (fp16), the OutlierMonitor's
 worst absmax, denominator shares and x2_over_fp16_frac, grad_cv and starved_frac, and the largest

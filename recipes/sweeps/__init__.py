@@ -2,16 +2,18 @@
 
 Layout (one idea per module; the sweep kinds own everything that differs between them):
 
-* :mod:`~recipes.sweeps.cli` - the command line; :mod:`~recipes.sweeps.runner` - the resumable grid
-  (shards, ``--jobs``, resume, the lock, the refusal of changed settings); :mod:`~recipes.sweeps.cell`
-  - one training run; :mod:`~recipes.sweeps.checks` - every cell's settings checked before the first runs;
-* :mod:`~recipes.sweeps.kind` - :class:`~recipes.sweeps.kind.Sweep`, what a sweep kind provides;
-  :mod:`~recipes.sweeps.norm`, :mod:`~recipes.sweeps.qk` - the two kinds; :mod:`~recipes.sweeps.registry`
-  - the kinds ``--sweep`` knows (a new kind: one module and one line there);
-* shared: :mod:`~recipes.sweeps.records` (typed rows, CSV, atomic writes), :mod:`~recipes.sweeps.robustness`,
-  :mod:`~recipes.sweeps.report`, :mod:`~recipes.sweeps.figure`, :mod:`~recipes.sweeps.claims` (intervals,
-  verdicts, the Markdown of a claims section; no sweep-specific text).
+* the machinery: :mod:`~recipes.sweeps.cli` - the command line; :mod:`~recipes.sweeps.runner` - the resumable
+  grid (shards, ``--jobs``, resume, :mod:`~recipes.sweeps.lock`, the refusal of changed
+  :mod:`~recipes.sweeps.settings`); :mod:`~recipes.sweeps.kind` - :class:`~recipes.sweeps.kind.Sweep`, what a
+  sweep kind provides; :mod:`~recipes.sweeps.rebuild` - a report from ``results.csv`` alone;
+* :mod:`~recipes.sweeps.kinds` - the kinds ``--sweep`` knows, one module each (``norm``, ``qk``, ``lm``,
+  ``lm_qk``, ``convert``), registered in the package's ``__init__`` (a new kind: one module and one line there);
+* :mod:`~recipes.sweeps.claims` - the claims engine (intervals, verdicts, the Markdown of a claims section)
+  and, beside it, the claim texts of the kinds that keep them apart (``lm``, ``mechanism``, ``convert``);
+* :mod:`~recipes.sweeps.cells` - one training run of each kind (image, lm, convert) and what it needs;
+* shared: :mod:`~recipes.sweeps.records` (typed rows, CSV, atomic writes), :mod:`~recipes.sweeps.score`,
+  :mod:`~recipes.sweeps.series`, :mod:`~recipes.sweeps.robustness`, :mod:`~recipes.sweeps.report`,
+  :mod:`~recipes.sweeps.figure`.
 
-Everything but :mod:`~recipes.sweeps.cell` and :mod:`~recipes.sweeps.checks` needs no torch, so a rerun with
-nothing left to train stays fast.
+Everything but :mod:`~recipes.sweeps.cells` needs no torch, so a rerun with nothing left to train stays fast.
 """

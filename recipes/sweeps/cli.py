@@ -1,7 +1,7 @@
 """The stress sweep's command line: the sweep kind, the grid, the per-dataset defaults, ``--quick``, the help.
 
 Every option's help states its default once; a default that depends on ``--sweep``, ``--dataset`` or
-``--quick`` is written per kind and dataset from the kinds' own tables (:mod:`recipes.sweeps.registry`),
+``--quick`` is written per kind and dataset from the kinds' own tables (:mod:`recipes.sweeps.kinds`),
 the ones the parser fills the options from, so the help cannot drift from the code. A mistake is one
 ``error: ...`` line and exit status 2, in this command's own option names.
 """
@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
-from recipes.errors import UsageError, report
+from recipes.common.errors import UsageError, report
 from recipes.sweeps.kind import Sweep
 from recipes.sweeps.records import same_lr
 
@@ -217,12 +217,12 @@ def _repeated(values: Sequence[Any], same: Callable[[Any, Any], bool]) -> Option
 def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] = None) -> argparse.Namespace:
     """Parse ``argv``, fill the kind's, the dataset's and ``--quick``'s defaults; user mistakes exit 2.
 
-    ``kinds``: the sweep kinds to offer (default: :data:`recipes.sweeps.registry.SWEEPS`).
+    ``kinds``: the sweep kinds to offer (default: :data:`recipes.sweeps.kinds.SWEEPS`).
     ``args.sweep`` becomes the :class:`~recipes.sweeps.kind.Sweep`, ``args.arms`` the values of its
     arm option (``args.norms``, ``args.qk_norms``, ..., filled too).
     """
     if kinds is None:
-        from recipes.sweeps.registry import DEFAULT, SWEEPS
+        from recipes.sweeps.kinds import DEFAULT, SWEEPS
 
         kinds, default = SWEEPS, DEFAULT
     else:

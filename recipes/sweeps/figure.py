@@ -1,7 +1,7 @@
 """The parts every sweep's ``results.png`` is drawn with: one line per arm against the learning rate.
 
 Line: mean over seeds; band: min to max over seeds; a red ``x`` on a point where at least one
-seed diverged. The kinds lay their panels out (:mod:`recipes.sweeps.norm`, :mod:`recipes.sweeps.qk`).
+seed diverged. The kinds lay their panels out (:mod:`recipes.sweeps.kinds.norm`, :mod:`recipes.sweeps.kinds.qk`).
 Needs matplotlib (Agg), no torch.
 """
 

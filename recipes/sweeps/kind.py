@@ -4,7 +4,7 @@ A kind owns everything that differs between sweeps: its arms and the model argum
 its grid and per-dataset defaults, the monitors its cells need and what it measures from their
 logs (its own ``results.csv`` columns), its claims with their wording, its per-cell table
 columns and its figure. The shared code never looks at a kind's name. A new kind is one module
-defining a :class:`Sweep` and one line in :mod:`recipes.sweeps.registry`.
+defining a :class:`Sweep` and one line in :mod:`recipes.sweeps.kinds`.
 
 The behaviour fields are plain module-level functions, so a kind pickles by reference into the
 ``--jobs`` worker processes. Needs no torch (a kind imports Lightning only inside ``monitors``).
@@ -88,7 +88,7 @@ class Sweep:
         grid: the default axes: ``arms``, ``lrs``, ``batch_sizes``, ``seeds``.
         quick: ``--quick``'s smaller axes, and its ``epochs`` per dataset.
         datasets: per dataset, the model, input and budget defaults (``epochs`` None: required).
-        optimizer: ``sgd`` or ``adamw`` (``recipes/optim.py``).
+        optimizer: ``sgd`` or ``adamw`` (``recipes/common/optim.py``).
         weight_decay: the default ``--weight-decay``.
         warmup_frac: the default ``--warmup-frac``.
         optimizer_text: the optimizer as ``results.md`` states it.
@@ -154,8 +154,8 @@ class Sweep:
     score: Score = TOP1
     head_columns: tuple[str, ...] = HEAD_COLUMNS
     default_dataset: str = "cifar100"
-    runner: str = "recipes.sweeps.cell:run_cell"
-    checker: str = "recipes.sweeps.checks:check_cells"
+    runner: str = "recipes.sweeps.cells.image:run_cell"
+    checker: str = "recipes.sweeps.cells.image_checks:check_cells"
     keep: Optional[Callable[[tuple[str, float, int, int], argparse.Namespace], bool]] = None
     data_note: Optional[Callable[[Mapping[str, Any]], str]] = None
     factor_columns: tuple[str, ...] = ()

@@ -22,7 +22,7 @@ from typing import Optional
 
 from filelock import FileLock, Timeout
 
-from recipes.errors import UsageError
+from recipes.common.errors import UsageError
 
 __all__ = ["OutLock"]
 

@@ -66,7 +66,7 @@ def old_setup(report: str) -> tuple[dict[str, Any], list[str], list[str]]:
 
 def rebuild(kind_name: str, csv_path: Path, report_path: Path, out: Path) -> Path:
     """Write ``out/results.csv`` (current columns), ``results.md``, ``robustness.csv``, the figures; return ``out``."""
-    from recipes.sweeps.registry import SWEEPS
+    from recipes.sweeps.kinds import SWEEPS
 
     kind = SWEEPS[kind_name]
     settings, data, commands = old_setup(report_path.read_text())
@@ -88,7 +88,7 @@ def rebuild(kind_name: str, csv_path: Path, report_path: Path, out: Path) -> Pat
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from recipes.sweeps.registry import SWEEPS
+    from recipes.sweeps.kinds import SWEEPS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", required=True, choices=list(SWEEPS), help="the kind of the sweep")

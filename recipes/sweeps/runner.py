@@ -2,7 +2,7 @@
 
 ``main``: parse the command line (:mod:`recipes.sweeps.cli`), skip the cells already in ``--out``
 (``cells/<cell>.json``), check every remaining cell's settings before the first one runs
-(:mod:`recipes.sweeps.checks`; a mistake writes nothing), refuse an ``--out`` that holds other
+(:mod:`recipes.sweeps.cells.image_checks`; a mistake writes nothing), refuse an ``--out`` that holds other
 settings, take the lock of this shard (:mod:`recipes.sweeps.lock`), then train the cells in this
 process or ``--jobs`` worker processes, writing each record atomically as it finishes and the
 report (:mod:`recipes.sweeps.report`) after every cell. A finished cell is always kept, also when
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 # Keep this import list light: a rerun with nothing left to train must not pay for torch/Lightning.
-from recipes.errors import UsageError, report
+from recipes.common.errors import UsageError, report
 from recipes.sweeps import report as outputs
 from recipes.sweeps import settings as st
 from recipes.sweeps.cli import in_sweep_terms, parse_args, usable_cpus

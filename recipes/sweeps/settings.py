@@ -18,6 +18,8 @@ SETTINGS_FILE = "settings.json"
 #: the split of digits and of a folder without train/ and val/: a fixed share of each class held out
 VAL_FRACTION, SPLIT_SEED = 0.2, 0
 _STRATIFIED = f"stratified per class, {100 * VAL_FRACTION:g} % held out for validation, split seed {SPLIT_SEED}"
+# recorded in settings.json and compared on resume: the texts (recipes/text_data.py is now recipes/text/data.py)
+# stay as they were, so an --out written before the regrouping of recipes/ resumes
 _SPLITS = {
     "digits": _STRATIFIED,
     "cifar100": "the official 50000 training / 10000 test images (test used for validation)",

@@ -16,7 +16,7 @@ An inconclusive comparison with an interval also says how many seeds per arm wou
 its own test (the same interval, 95 %) excludes the threshold with 80 % probability
 (:func:`~recipes.sweeps.claims.stats.welch_seeds` and its siblings).
 
-The sweep kinds (:mod:`recipes.sweeps.norm`, :mod:`recipes.sweeps.qk`) build their claims from
+The sweep kinds (:mod:`recipes.sweeps.kinds.norm`, :mod:`recipes.sweeps.kinds.qk`) build their claims from
 :func:`arm_values`, :func:`welch_comparison`, :func:`single` and :func:`ratio`. Needs no torch.
 """
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from recipes.sweeps.cell import counted_top1
+from recipes.sweeps.cells.image import counted_top1
 from recipes.sweeps.claims import engine as sc
 from recipes.sweeps.claims.markdown import markdown, seeds_line, show_seeds
 from recipes.sweeps.claims.stats import (POWER, Interval, mean_interval, mean_sd, mean_seeds, ratio_seeds,
                                          variance_ratio_interval, verdict, welch_interval, welch_seeds)
-from recipes.sweeps.norm import NORM, claims
+from recipes.sweeps.kinds.norm import NORM, claims
 from recipes.sweeps.records import Row
 from recipes.sweeps.robustness import robustness
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from helpers.scripts import results_rows
 from recipes.stress import parse_args
 from recipes.sweeps.claims.engine import evaluate
-from recipes.sweeps.convert import CONVERT, eval_steps
+from recipes.sweeps.kinds.convert import CONVERT, eval_steps
 from recipes.sweeps.rebuild import rebuild
 from recipes.sweeps.runner import run
 
@@ -62,8 +62,8 @@ def _direct_bpb(model: torch.nn.Module, windows: torch.Tensor) -> float:
 @pytest.mark.slow  # about 40 s on 2 shared cores; test_the_control_and_inherit_against_direct_evaluations is the quick one
 def test_tiny_convert_sweep_arms_cache_claims_and_rebuild(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from lightning_mrs import swap_norms
-    from recipes.sweeps.convert_cell import new_model
-    from recipes.sweeps.convert_cell import datamodule
+    from recipes.sweeps.cells.convert import new_model
+    from recipes.sweeps.cells.convert import datamodule
 
     out = tmp_path / "convert"
     argv = [*TINY, "--arch-kwargs", TINY_CONFIG, *_text(tmp_path), "--out", str(out)]
@@ -123,7 +123,7 @@ def test_tiny_convert_sweep_arms_cache_claims_and_rebuild(tmp_path: Path, capsys
 def test_the_control_and_inherit_against_direct_evaluations(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The quick one: continue, rms and mrs-inherit for one seed, 2 healing steps, then the cache is reused."""
     from lightning_mrs import swap_norms
-    from recipes.sweeps.convert_cell import datamodule, new_model
+    from recipes.sweeps.cells.convert import datamodule, new_model
 
     out = tmp_path / "quick"
     common = ["--sweep", "convert", "--seeds", "0", "--max-steps", "2", "--base-steps", "10", "--jobs", "1",
@@ -183,7 +183,7 @@ def test_convert_on_your_own_checkpoint_and_text(tmp_path: Path, capsys: pytest.
 
 
 def test_the_setup_of_a_pretrained_sweep_gives_the_checkpoints_sizes(tmp_path: Path) -> None:
-    from recipes.sweeps.convert import progress_note
+    from recipes.sweeps.kinds.convert import progress_note
     from recipes.sweeps.settings import sweep_settings
 
     source = _pretrained(tmp_path / "llama")

@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_mrs.swap.half import RMSNormHalf
 from recipes.sweeps.runner import run
-from recipes.sweeps.half_inputs import HalfInputs
-from recipes.sweeps.master_weights import FP32MasterAdamW
+from recipes.sweeps.cells.half_inputs import HalfInputs
+from recipes.sweeps.cells.master_weights import FP32MasterAdamW
 
 TINY = ["--lrs", "0.01", "--seeds", "0", "--max-steps", "2", "--log-every", "1", "--jobs", "1", "--mrs-backend",
         "eager", "--arch-kwargs", '{"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, '

@@ -19,7 +19,7 @@ import pytest
 
 from helpers.scripts import results_rows
 from recipes.sweeps import figure as fig
-from recipes.sweeps import registry
+from recipes.sweeps import kinds as registry
 from recipes.sweeps.claims.engine import Claim, arm_values, welch_comparison
 from recipes.sweeps.claims.markdown import DECISION_RULE
 from recipes.sweeps.kind import History, Measured, Sweep

@@ -15,8 +15,8 @@ import pytest
 
 from recipes.sweeps.claims import engine as sc
 from recipes.sweeps.claims.markdown import seeds_line
-from recipes.sweeps.lm import HIGH_LR_MIN, LARGE_SHARE, LM, MARGIN_BPB, SCALE_FLOOR, claims, factors, split_arm
-from recipes.sweeps.lmqk import claims as qk_claims
+from recipes.sweeps.kinds.lm import HIGH_LR_MIN, LARGE_SHARE, LM, MARGIN_BPB, SCALE_FLOOR, claims, factors, split_arm
+from recipes.sweeps.kinds.lm_qk import claims as qk_claims
 from recipes.sweeps.records import Row
 from recipes.sweeps.robustness import robustness
 from recipes.sweeps.score import BPB, DIVERGED_BPB

@@ -15,9 +15,9 @@ import pytest
 from helpers.scripts import results_rows
 from helpers.tensorboard import event_scalars, session_start
 from recipes.stress import parse_args
-from recipes.sweeps.lm import HEAD, LM, METRICS
-from recipes.sweeps.lmqk import LM_QK, figure as qk_figure
-from recipes.sweeps.mechanism import MAGNITUDES, MECHANISM_LR
+from recipes.sweeps.kinds.lm import HEAD, LM, METRICS
+from recipes.sweeps.kinds.lm_qk import LM_QK, figure as qk_figure
+from recipes.sweeps.claims.mechanism import MAGNITUDES, MECHANISM_LR
 from recipes.sweeps.rebuild import rebuild
 from recipes.sweeps.records import read_csv
 from recipes.sweeps.runner import run
@@ -140,7 +140,7 @@ def test_tiny_lm_qk_sweep_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_an_fp16_cell_made_to_overflow(tmp_path: Path) -> None:
     """A learning rate of 1e4 throws the weights far past float16's range within a step or two: the loss
     turns non-finite, the cell stops there and counts as 8 bits per byte; the scaler's bookkeeping holds."""
-    from recipes.sweeps.lm_cell import run_lm_cell
+    from recipes.sweeps.cells.lm import run_lm_cell
 
     args = parse_args(["--sweep", "lm", *TINY, "--max-steps", "20", "--out", str(tmp_path)])
     record = run_lm_cell(args, tmp_path, "boom", arm="rms-fp16", lr=1e4, batch_size=4, seed=0)

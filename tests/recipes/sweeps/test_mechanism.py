@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from recipes.sweeps.claims import engine as sc
-from recipes.sweeps.mechanism import (ARMS, BROKEN_SHARE, CLEAN_SHARE, MAGNITUDES, MARGIN_BPB, MECHANISM_LR, NAIVE,
-                                      claims, figure, legacy, lines)
-from recipes.sweeps.mechanism_eval import mechanism_rows
+from recipes.sweeps.claims.mechanism import (ARMS, BROKEN_SHARE, CLEAN_SHARE, MAGNITUDES, MARGIN_BPB, MECHANISM_LR,
+                                             NAIVE, claims, figure, legacy, lines)
+from recipes.sweeps.cells.mechanism_eval import mechanism_rows
 from recipes.sweeps.score import DIVERGED_BPB
 
 TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -22,7 +22,7 @@ TINY = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "nu
 
 
 def _lm(norm: str) -> Any:
-    from recipes.lm import ByteLM
+    from recipes.text.byte_lm import ByteLM
 
     torch.manual_seed(0)
     return ByteLM(arch="llama", config=TINY, norm=norm, seq_len=16, sample_bytes=0)

@@ -22,7 +22,7 @@ import pytest
 from helpers import ROOT
 from helpers.scripts import run_script
 from recipes.sweeps.lock import OutLock, _overlap
-from recipes.sweeps.norm import NORM
+from recipes.sweeps.kinds.norm import NORM
 from recipes.sweeps.records import Row
 from recipes.sweeps.report import verdict_command
 
@@ -171,7 +171,7 @@ def test_a_one_panel_figure_keeps_its_whole_title(tmp_path: Path) -> None:
 
 
 def test_the_qk_figure_draws_before_any_logit_was_logged(tmp_path: Path) -> None:
-    from recipes.sweeps.qk import figure
+    from recipes.sweeps.kinds.qk import figure
 
     (top, logit), = figure([Row("mrs", 0.01, 4, 0, num_classes=3, final_top1=0.4)], tmp_path / "qk.png")
     assert logit.get_yscale() == "linear" and (tmp_path / "qk.png").exists()

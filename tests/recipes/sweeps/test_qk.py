@@ -14,7 +14,7 @@ from helpers.scripts import results_rows, run_script
 from recipes import stress
 from recipes.stress import parse_args
 from recipes.sweeps.claims import engine as sc
-from recipes.sweeps.qk import HIGH_LR_MIN, QK, claims, figure as qk_figure
+from recipes.sweeps.kinds.qk import HIGH_LR_MIN, QK, claims, figure as qk_figure
 from recipes.sweeps.records import Row, read_csv
 from recipes.sweeps.robustness import robustness
 

@@ -16,7 +16,7 @@ import torch
 from helpers import ROOT
 from helpers.scripts import results_rows, run_script
 from recipes import stress
-from recipes.sweeps.norm import NORM
+from recipes.sweeps.kinds.norm import NORM
 from recipes.sweeps.records import write_atomic
 from recipes.sweeps.report import write_outputs
 
@@ -96,7 +96,7 @@ def test_rerun_with_other_settings_is_refused(tmp_path: Path, error_line: Callab
 def test_divergence_stops_the_cell_and_is_recorded() -> None:
     """A loss that turns NaN at step 3: the run stops there and the step is recorded."""
     import lightning.pytorch as pl
-    from recipes.sweeps.cell import DivergenceStop, MemoryLogger
+    from recipes.sweeps.cells.image import DivergenceStop, MemoryLogger
 
     class Bomb(pl.LightningModule):
         def __init__(self) -> None:
