@@ -19,10 +19,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_mrs.swap import SwapReport, iter_attention_layers
 from recipes.common.errors import UsageError, report
 
 __all__ = ["QK_NORM_CHOICES", "DtypeWatch", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
-           "check_model_options", "cpu_fp16", "default_precision", "run_main"]
+           "check_model_options", "check_qk_norms", "cpu_fp16", "default_precision", "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
 
@@ -152,6 +153,19 @@ def check_model_options(*, norm: str, norms: Sequence[str], qk_norm: str, schedu
         raise UsageError(f"--model.warmup_frac must lie in [0, 1), got {warmup_frac}.")
     if mrs_backend not in BACKENDS:
         raise UsageError(f"--model.mrs_backend {mrs_backend!r} is not valid; choose one of {list(BACKENDS)}.")
+
+
+def check_qk_norms(model: torch.nn.Module, kind: str, swap_report: SwapReport, arch: str) -> None:
+    """Every attention layer of ``model`` must have a QK-norm of ``kind`` after the swap, or a usage error."""
+    layers = list(iter_attention_layers(model))
+    if not layers:
+        raise UsageError(f"--model.qk_norm {kind}: {arch!r} has no attention layer a QK-norm can be added to; "
+                         "use a transformer (e.g. timm:vit_tiny_patch16_224) or --model.qk_norm none.")
+    missing = [name for name, _, info in layers if info.qk_norm != kind]
+    if missing:
+        why = swap_report.attention_skipped.get(missing[0], "its QK-norm is of another kind")
+        raise UsageError(f"--model.qk_norm {kind}: no {kind} QK-norm in {len(missing)} of {len(layers)} attention "
+                         f"layers of {arch!r} (e.g. {missing[0]}: {why}).")
 
 
 def build_quietly(cli_class: Callable[..., CLI], *args: Any, **kwargs: Any) -> CLI:

@@ -15,7 +15,7 @@ from lightning_mrs.swap import SwapReport, iter_attention_layers
 from lightning_mrs.swap.attention_info import is_qk_name
 from lightning_mrs.swap.probe import looks_like_norm
 from recipes.common.errors import UsageError
-from recipes.vision.models import check_qk_norms
+from recipes.common.training import check_qk_norms
 
 __all__ = ["check_swap", "norm_like"]
 

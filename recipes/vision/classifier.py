@@ -25,9 +25,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
-from recipes.vision.models import build_model, check_qk_norms
+from recipes.vision.models import build_model
 from recipes.common.optim import build_optimizer, optimizer_options, warmup_cosine
-from recipes.common.training import QK_NORM_CHOICES, check_model_options
+from recipes.common.training import QK_NORM_CHOICES, check_model_options, check_qk_norms
 
 __all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier"]
 

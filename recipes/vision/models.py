@@ -21,10 +21,9 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mrs.swap import SwapReport, iter_attention_layers
 from recipes.common.errors import UsageError
 
-__all__ = ["build_model", "check_input_size", "check_qk_norms", "input_size"]
+__all__ = ["build_model", "check_input_size", "input_size"]
 
 
 def build_model(
@@ -138,16 +137,3 @@ def check_input_size(model: nn.Module, image_size: int, option: str = "--data.im
         key = "img_size" if hasattr(model, "patch_embed") else "image_size"
         raise UsageError(f"{option} {image_size} does not fit the model, which takes {size[0]}x{size[1]} images: "
                          f"give the model \"{key}\": {image_size} in --model.arch_kwargs, or {option} {size[0]}.")
-
-
-def check_qk_norms(model: nn.Module, kind: str, report: SwapReport, arch: str) -> None:
-    """Every attention layer of ``model`` must have a QK-norm of ``kind`` after the swap, or a usage error."""
-    layers = list(iter_attention_layers(model))
-    if not layers:
-        raise UsageError(f"--model.qk_norm {kind}: {arch!r} has no attention layer a QK-norm can be added to; "
-                         "use a transformer (e.g. timm:vit_tiny_patch16_224) or --model.qk_norm none.")
-    missing = [name for name, _, info in layers if info.qk_norm != kind]
-    if missing:
-        why = report.attention_skipped.get(missing[0], "its QK-norm is of another kind")
-        raise UsageError(f"--model.qk_norm {kind}: no {kind} QK-norm in {len(missing)} of {len(layers)} attention "
-                         f"layers of {arch!r} (e.g. {missing[0]}: {why}).")
