@@ -64,3 +64,21 @@ def test_the_docstring_rule_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     assert warned == ["pkg.no_example: public docstring without an Example: section",
                       "pkg.no_doc: public name without a docstring",
                       "pkg.DATA: public data without a #: comment where it is defined"]
+
+
+def test_a_public_name_on_no_api_page_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conf's check that every public name is on a page, under any of its names: the
+    documented ``lightning_mrs.swap_norms`` covers ``lightning_mrs.swap.swap_norms``; a public
+    name documented nowhere is named in a warning."""
+    conf = _conf()
+    warned = []
+    monkeypatch.setattr(conf, "_log", SimpleNamespace(warning=lambda msg, *args, **kw: warned.append(msg % args)))
+    public = {"lightning_mrs.swap_norms", "lightning_mrs.swap.swap_norms", "lightning_mrs.mrs_norm"}
+    app = SimpleNamespace(config=SimpleNamespace(_lmrs_public=public))
+    env = SimpleNamespace(lmrs_documented={"lightning_mrs.swap_norms"})
+    conf._check_every_public_name_documented(app, env)
+    assert warned == ["lightning_mrs.mrs_norm is public (in __all__) but on no page of docs/api/"]
+    env.lmrs_documented.add("lightning_mrs.ops.mrs_norm")  # the function, not the module ops/mrs_norm.py
+    warned.clear()
+    conf._check_every_public_name_documented(app, env)
+    assert warned == []
