@@ -50,19 +50,19 @@ def _sigint_after_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 
 def _interrupted_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture,
-                             extra: tuple[str, ...] = ()) -> Path:
+                             extra: tuple[str, ...] = (), sigint_at: int = 3, steps: int = 6) -> Path:
     from recipes.cifar100 import run
 
     root = tmp_path / "interrupted"
     args = [*ARGS, *extra, "--trainer.default_root_dir", str(root)]
-    _sigint_after_step(monkeypatch, 3)
+    _sigint_after_step(monkeypatch, sigint_at)
     assert run(args) == 130
     err = capfd.readouterr().err
     saved = _last(root)
     # the step running when Ctrl-C came (4: the SIGINT arrived as step 3 ended) finishes, then the fit stops
-    assert f"interrupted after step 4: saved {saved}; resume with" in err, err[-3000:]
+    assert f"interrupted after step {sigint_at + 1}: saved {saved}; resume with" in err, err[-3000:]
     assert f"python recipes/cifar100.py {' '.join(args)} --ckpt_path {saved}" in err
-    assert final_weights(saved)["step"] == 4
+    assert final_weights(saved)["step"] == sigint_at + 1
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards
     monkeypatch.undo()
     monkeypatch.setattr(sys, "argv", ["cifar100.py"])
@@ -70,7 +70,7 @@ def _interrupted_and_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
         warnings.simplefilter("always")
         assert run([*args, "--ckpt_path", str(saved)]) == 0
     assert not [w for w in caught if "not resumable" in str(w.message)]  # Lightning's mid-epoch warning
-    assert final_weights(_last(root, 1))["step"] == 6
+    assert final_weights(_last(root, 1))["step"] == steps
     return _last(root, 1)
 
 
@@ -102,4 +102,17 @@ def test_the_resume_with_dataloader_workers_ends_as_the_uninterrupted_run_withou
     reference = tmp_path / "uninterrupted"
     assert run([*ARGS, "--trainer.default_root_dir", str(reference)]) == 0
     resumed = _interrupted_and_resumed(tmp_path, monkeypatch, capfd, ("--data.num_workers", "2"))
+    _assert_same_weights(_last(reference), resumed)
+
+
+@pytest.mark.slow  # epochs of 5 batches, each validated
+def test_a_resume_from_an_epochs_last_step_goes_on_bit_for_bit_into_the_next_epochs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    from recipes.cifar100 import run
+
+    # saved at step 5, epoch 0's end; no monitor: last.ckpt follows every validation (not only a better top-1)
+    short = ("--trainer.limit_train_batches", "5", "--trainer.max_steps", "12", "--checkpoint.monitor", "null")
+    reference = tmp_path / "uninterrupted"
+    assert run([*ARGS, *short, "--trainer.default_root_dir", str(reference)]) == 0
+    resumed = _interrupted_and_resumed(tmp_path, monkeypatch, capfd, short, sigint_at=4, steps=12)
     _assert_same_weights(_last(reference), resumed)
