@@ -62,7 +62,16 @@ def mix(*values: int) -> int:
 
 
 def run_seed() -> int:
-    """The run's seed: ``seed_everything``'s (``PL_GLOBAL_SEED``), else torch's initial seed."""
+    """The run's seed: ``seed_everything``'s (``PL_GLOBAL_SEED``), else torch's initial seed.
+
+    Example:
+        >>> saved = os.environ.pop("PL_GLOBAL_SEED", None)
+        >>> _ = torch.manual_seed(123); run_seed()
+        123
+        >>> os.environ["PL_GLOBAL_SEED"] = "7"; run_seed()  # as pl.seed_everything(7) sets it
+        7
+        >>> _ = os.environ.pop("PL_GLOBAL_SEED") if saved is None else os.environ.update(PL_GLOBAL_SEED=saved)
+    """
     seed = os.environ.get("PL_GLOBAL_SEED")
     return int(seed) if seed is not None else torch.initial_seed()
 
@@ -73,6 +82,12 @@ def seeded(seed: Optional[int], fn: Callable[[Any], Any], value: Any) -> Any:
     torchvision's random transforms draw from the global CPU generator; seeding it per sample makes
     the sample's augmentation a function of ``seed`` alone, and restoring it leaves the stream of
     the rest of the process (the model's dropout when loading runs in the main process) untouched.
+
+    Example:
+        >>> before = torch.get_rng_state()
+        >>> a, b = seeded(5, lambda n: torch.rand(n), 3), seeded(5, lambda n: torch.rand(n), 3)
+        >>> torch.equal(a, b), torch.equal(torch.get_rng_state(), before)
+        (True, True)
     """
     if seed is None:
         return fn(value)
@@ -94,6 +109,11 @@ class EpochSampler(DistributedSampler):
         seed: the run's seed.
         num_replicas: processes sharing the data.
         rank: this process.
+
+    Example:
+        >>> ranks = [EpochSampler(5, seed=0, num_replicas=2, rank=r) for r in (0, 1)]
+        >>> [len(s) for s in ranks], sorted({i for s in ranks for i, _ in s})
+        ([3, 3], [0, 1, 2, 3, 4])
     """
 
     def __init__(self, length: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
@@ -147,6 +167,12 @@ class ResumableLoader(DataLoader):
     builds: Lightning restores a data module before it asks for the loader, but restores this
     loader's state only when it builds the loader after the loops (not when ``configure_optimizers``
     asked for ``estimated_stepping_batches``, as the recipe's schedule does).
+
+    Example:
+        >>> loader = ResumableLoader(list(range(8)), sampler=EpochSampler(8, seed=0), batch_size=2, drop_last=True)
+        >>> loader.progress = lambda: (3, len(loader))  # 3 of the epoch's 4 batches taken
+        >>> loader.state_dict()
+        {'epoch': 0, 'samples': 6}
     """
 
     progress: Optional[Callable[[], tuple[int, int]]] = None
@@ -173,6 +199,10 @@ class StepSeed(Callback):
     The seed is a function of the run's seed, the process's rank, the epoch and the batch index,
     so dropout and drop-path masks are the same in a resumed run as in the uninterrupted one,
     whatever consumed random numbers between two steps.
+
+    Example:
+        >>> StepSeed().seed is None  # Trainer(callbacks=[StepSeed()]); on_fit_start reads the run's seed
+        True
     """
 
     def __init__(self) -> None:
