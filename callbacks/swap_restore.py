@@ -18,6 +18,7 @@ from torch import nn
 from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, read_metadata
 from lightning_mrs.callbacks.swap_record import align_compiled_keys, canonical, find_record, model_names, records
 from lightning_mrs.swap.options import check_bool, check_model
+from lightning_mrs.swap.modeling_lightning_mrs import adopt
 from lightning_mrs.swap.spec import describe_layers, rebuild, rebuild_v1
 
 __all__ = ["rebuild_recorded", "restore"]
@@ -66,9 +67,10 @@ def rebuild_recorded(model: nn.Module, spec: dict[str, Any]) -> None:
     """
     if "layers" not in spec:
         rebuild_v1(model, spec)
-        return
-    here = {canonical(name): record for name, record in describe_layers(model, spec["target"]).items()}
-    if here == records(spec):
-        return  # swapped already (in __init__, or a model built with these layers)
-    names = model_names(model)
-    rebuild(model, spec["target"], {names.get(name, name): record for name, record in records(spec).items()})
+    else:
+        here = {canonical(name): record for name, record in describe_layers(model, spec["target"]).items()}
+        if here == records(spec):
+            return  # swapped already (in __init__, or a model built with these layers)
+        names = model_names(model)
+        rebuild(model, spec["target"], {names.get(name, name): record for name, record in records(spec).items()})
+    adopt(model)  # a transformers model inside becomes LightningMRS<Base>, as after swap_norms: save_pretrained keeps the format

@@ -136,6 +136,12 @@ class AttentionSums:
         k_norm: ``()`` summed L2 norm of the per-head key vectors they attend to.
         keys: ``()`` key vectors in ``k_norm`` (keys x key heads).
         logit_max: ``()`` the largest ``|scale * q . k|`` (0 when empty); taken with max, not added.
+
+    Example:
+        >>> q = k = torch.randn(1, 2, 3, 4)  # (batch, heads, tokens, head_dim)
+        >>> total = AttentionSums.zeros(2) + attention_sums(q, k, 0.5) + attention_sums(q, k, 0.5)
+        >>> total.queries.item(), total.entropy.shape
+        (6.0, torch.Size([2]))
     """
 
     entropy: Tensor
@@ -196,6 +202,14 @@ def attention_sums(
         head_dim: the width of a head (needed for ``"BN(HD)"``, which folds the heads into the last dim).
         max_queries: at most this many queries (:func:`query_sample`); ``None`` takes all.
         collapse_threshold: a row is collapsed when its largest weight exceeds this.
+
+    Example:
+        >>> q = k = torch.zeros(2, 4, 8, 16)  # (batch, heads, tokens, head_dim): every logit is 0
+        >>> sums = attention_sums(q, k, scale=16 ** -0.5)
+        >>> sums.queries.item(), sums.logit_max.item()
+        (16.0, 0.0)
+        >>> torch.allclose(sums.entropy / sums.queries, torch.tensor(8.0).log())  # uniform rows: ln 8 nats
+        True
     """
     qh = per_head(q.detach(), layout, num_heads, head_dim)  # (B, H, Nq, D)
     kh = per_head(k.detach(), layout, num_heads, head_dim)  # (B, Hk, Nk, D)
@@ -229,6 +243,12 @@ def attention_figures(sums: AttentionSums) -> dict[str, Tensor]:
     """The figures of :data:`FIGURE_NAMES` (0-d tensors on the sums' device) from ``sums``.
 
     Meaningless when ``sums.queries == 0`` (nothing captured): the caller skips such layers.
+
+    Example:
+        >>> q = k = torch.zeros(2, 4, 8, 16)  # uniform attention over 8 keys
+        >>> figures = attention_figures(attention_sums(q, k, scale=0.25))
+        >>> round(figures["entropy_mean"].item(), 4), figures["collapsed_frac"].item()
+        (2.0794, 0.0)
     """
     rows = (sums.queries * sums.num_heads).clamp_min(1)  # attention rows: queries x heads
     return {

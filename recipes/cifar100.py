@@ -64,6 +64,7 @@ from recipes.common.errors import UsageError
 from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.common.interrupt import SaveOnInterrupt, run_resumable
 from recipes.vision.models import check_input_size
+from recipes.vision.resume import StepSeed
 from recipes.common.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
@@ -145,7 +146,7 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
         trainer_defaults={
             "max_epochs": 200,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
-                          HParamsSummary(CLASSIFIER_SUMMARY), SaveOnInterrupt()],
+                          HParamsSummary(CLASSIFIER_SUMMARY), SaveOnInterrupt(), StepSeed()],
         },
         save_config_kwargs={"overwrite": True},
     )

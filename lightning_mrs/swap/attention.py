@@ -268,6 +268,13 @@ def expose_attention(model: nn.Module) -> list[str]:
 
     Raises:
         ValueError: ``model`` itself is such a layer (wrap it: ``nn.Sequential(attn)``).
+
+    Example:
+        >>> model = nn.Sequential(nn.MultiheadAttention(16, 2))
+        >>> expose_attention(model)
+        ['0']
+        >>> type(model[0].q_norm).__name__, [info.qk_norm for _, _, info in iter_attention_layers(model)]
+        ('Identity', [None])
     """
     found = _find(model)
     layers = [f for f in found if f.replacement is not None]

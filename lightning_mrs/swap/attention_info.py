@@ -43,6 +43,14 @@ class AttentionInfo:
             norms do not see (transformers layers: ``"rotary embeddings and the causal mask"``...).
         qk_attrs: the names of the layer's query and key norm children (``("q_norm", "k_norm")``;
             Phi's own: ``("q_layernorm", "k_layernorm")``).
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_mrs import iter_attention_layers, swap_norms
+        >>> model = nn.Sequential(nn.MultiheadAttention(16, 2))
+        >>> _ = swap_norms(model, None, qk_norm="mrs")
+        >>> [(name, info.num_heads, info.head_dim, info.qk_norm) for name, _, info in iter_attention_layers(model)]
+        [('0', 2, 8, 'mrs')]
     """
 
     num_heads: int

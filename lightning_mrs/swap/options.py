@@ -16,13 +16,17 @@ __all__ = ["HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions"
 #: experimental baselines computed in the input's dtype (lightning_mrs.swap.half): squares formed (overflow in
 #: float16 from |x| = 256) and "-safe" (no intermediate overflow)
 HALF_TARGETS = ("rms-half", "mrs-half", "rms-half-safe", "mrs-half-safe")
+#: the values of ``target`` (``SwapOptions.target``, besides ``None``: keep the body's norms):
+#: MRSNorm, the RMSNorm and LayerNorm baselines, and the experimental half-precision ones.
 SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS)
+_QK_KINDS = ("mrs", "rms", "layer")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
-_QK_KINDS = ("mrs", "rms", "layer")
 QK_NORMS = (None, True, False, *_QK_KINDS)
 _INITS = ("inherit", "ones", "calibrate")
 _SPATIAL = ("auto", True, False)
+#: what ``include``/``exclude`` take: a name pattern, a class, a list of both, or None
+#: (docs/swap.md#include-and-exclude-patterns).
 Selector = Union[str, type, Iterable[Union[str, type]], None]
 
 

@@ -36,7 +36,7 @@ from lightning_mrs.swap.probe import Formula, recognise
 
 __all__ = ["NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "NORM_KINDS"]
 
-# kind -> what it normalises over; used in docs, validation and the swap's "auto" rules.
+#: kind -> what it normalises over; used in docs, validation and the swap's "auto" rules.
 NORM_KINDS: dict[str, str] = {
     "batch": "BatchNorm: per channel over the batch (and positions); running stats",
     "group": "GroupNorm: per sample over channel groups and positions",
@@ -82,6 +82,10 @@ class NormSpec:
             ``normalized_shape``, a custom ``forward``...), or ``None``.
         formula: ``kind="probed"`` only: what the probe found the layer computes (RMS or
             LayerNorm, the weight as ``w`` or ``1 + w``, the bias, eps).
+
+    Example:
+        >>> norm_spec(nn.GroupNorm(1, 8))
+        NormSpec(kind='group', num_channels=8, channel_dim=1, spatial=True, fused_act=False, unsupported=None)
     """
 
     kind: str

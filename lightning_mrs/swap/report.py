@@ -39,6 +39,13 @@ class SwapReport:
         calibration: ``init="calibrate"``: each calibrated layer (added QK-norms included) ->
             its relative output error ``||y - t|| / ||t||`` against its target with the
             inherited weights and with the fitted ones (:mod:`lightning_mrs.swap.calibrate`).
+
+    Example:
+        >>> from torch import nn
+        >>> from lightning_mrs import swap_norms
+        >>> report = swap_norms(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), "mrs")
+        >>> report.converted, report.changes["1"]
+        (['1'], ('LayerNorm', 'MRSNorm'))
     """
 
     target: Optional[str]

@@ -61,6 +61,7 @@ MOVED: dict[str, str] = {
     "recipes.sweeps.lm_claims": "recipes.sweeps.claims.lm",
     "recipes.sweeps.convert_claims": "recipes.sweeps.claims.convert",
     "recipes.sweeps.mechanism": "recipes.sweeps.claims.mechanism",
+    "recipes.resume": "recipes.vision.resume",
 }
 
 

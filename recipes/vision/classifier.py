@@ -29,9 +29,12 @@ from recipes.vision.models import build_model
 from recipes.common.optim import build_optimizer, optimizer_options, warmup_cosine
 from recipes.common.training import QK_NORM_CHOICES, check_model_options, check_qk_norms
 
-__all__ = ["NORMS", "QK_NORM_CHOICES", "ImageClassifier"]
+__all__ = ["NORMS", "QK_NORM_CHOICES", "RESULT", "ImageClassifier"]
 
 NORMS = ("mrs", "rms", "layer", "batch")
+#: the result's tag group, ``accuracy/train`` and ``accuracy/val`` (the values of ``train/top1`` and ``val/top1``):
+#: TensorBoard orders its groups by name, so this one comes first (before attention/, phasor/, train/, val/)
+RESULT = "accuracy"
 
 
 class ImageClassifier(pl.LightningModule):
@@ -145,6 +148,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_top1(logits, y)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/top1", self.train_top1, on_step=True, on_epoch=False)
+        self.log(f"{RESULT}/train", self.train_top1, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -155,6 +159,7 @@ class ImageClassifier(pl.LightningModule):
         # torchmetrics objects sync their state across ranks; the loss needs sync_dist
         self.log("val/loss", loss, sync_dist=True)
         self.log("val/top1", self.val_top1, prog_bar=True)
+        self.log(f"{RESULT}/val", self.val_top1)
         if self.val_top5 is not None:
             self.val_top5(logits, y)
             self.log("val/top5", self.val_top5)

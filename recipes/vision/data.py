@@ -25,6 +25,10 @@ adds AutoAugment (CIFAR-10 policy). Normalisation (per channel, 0..1 scale): CIF
 statistics, 0.5/0.22 for synthetic, the training split's mean/std for digits, ImageNet's
 (mean 0.485/0.456/0.406, std 0.229/0.224/0.225) for folder.
 
+The training order and each image's augmentation are functions of the run's seed, the epoch and
+the index (:mod:`recipes.vision.resume`), whatever ``--data.num_workers``; the data module's state (in a
+checkpoint) is the epoch's position, so a run resumed in the middle of an epoch goes on bit for bit.
+
 Example:
     >>> dm = ImageDataModule(dataset="digits", batch_size=8, image_size=16)
     >>> dm.num_classes
@@ -50,6 +54,7 @@ from typing_extensions import override
 from recipes.vision.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
                                      scan_folder, stratified_split)
 from recipes.common.errors import UsageError
+from recipes.vision.resume import EpochSampler, ResumableLoader, run_seed, seeded
 from recipes.vision.synthetic import SyntheticCIFAR100
 
 __all__ = ["CIFAR100_URL", "DATASETS", "DatasetUnavailableError", "ImageDataModule"]
@@ -85,7 +90,9 @@ class _Transformed(Dataset):
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> Optional[tuple[torch.Tensor, int]]:
+    def __getitem__(self, key: int | tuple[int, int]) -> Optional[tuple[torch.Tensor, int]]:
+        # the training sampler gives (index, augmentation seed): the random transform is a function of it
+        index, seed = key if isinstance(key, tuple) else (key, None)
         try:
             image, label = self.base[index]
         except OSError as err:  # PIL's UnidentifiedImageError and "image file is truncated" are OSErrors
@@ -95,7 +102,7 @@ class _Transformed(Dataset):
                 warnings.warn(f"--data.dataset folder: skipped the unreadable image {path} ({err}); "
                               f"{len(self.skipped)} skipped so far. Remove or replace it.", stacklevel=2)
             return None
-        return self.transform(image), label
+        return seeded(seed, self.transform, image), label
 
 
 def _file_of(dataset: Dataset, index: int) -> str:
@@ -202,6 +209,8 @@ class ImageDataModule(pl.LightningDataModule):
                              "least 2 classes: add a folder of images per class.")
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
+        self._train_loader: Optional[ResumableLoader] = None
+        self._resume_at: Optional[dict[str, int]] = None  # the training data's position in a checkpoint
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))
 
     # ------------------------------------------------------------------ data on disk
@@ -315,16 +324,38 @@ class ImageDataModule(pl.LightningDataModule):
         if dataset is None:
             raise RuntimeError("ImageDataModule: call setup() before asking for a dataloader.")
         workers = self._workers()
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=train,  # Lightning swaps in a DistributedSampler (shuffling as asked) under DDP
-            drop_last=train,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-            collate_fn=_collate,
-        )
+        kwargs: dict[str, Any] = dict(batch_size=self.batch_size, num_workers=workers, persistent_workers=workers > 0,
+                                      pin_memory=torch.cuda.is_available(), collate_fn=_collate)
+        if not train:
+            return DataLoader(dataset, shuffle=False, **kwargs)  # Lightning adds a DistributedSampler under DDP
+        # the order and augmentation are functions of (seed, epoch, index) and the loader's position is saved
+        # in checkpoints, so a resume in the middle of an epoch goes on bit for bit (recipes.vision.resume); the
+        # sampler splits the data over the processes itself (Lightning keeps a DistributedSampler as it is)
+        trainer = self.trainer
+        place = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        sampler = EpochSampler(len(dataset), run_seed(), place.get("num_replicas", 1),  # type: ignore[arg-type]
+                               place.get("rank", 0))
+        if self._resume_at:
+            sampler.load_state_dict(self._resume_at)
+            self._resume_at = None
+        elif trainer is not None:
+            sampler.set_epoch(trainer.current_epoch)
+        loader = ResumableLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
+        if trainer is not None:
+            loop = trainer.fit_loop
+            loader.progress = lambda: (loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches)
+        self._train_loader = loader
+        return loader
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The training data's position (epoch, samples taken) when the checkpoint is saved."""
+        return {"train_position": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the position for the next training loader: the resume goes on where the checkpoint was saved."""
+        self._resume_at = state_dict.get("train_position") or None
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -23,6 +23,9 @@ import math
 import pytest
 import torch
 from torch import nn
+
+pytest.importorskip("torchvision", reason="the detector is torchvision's")
+
 from torchvision.models import mobilenet_v3_large
 from torchvision.models.detection import FasterRCNN, fasterrcnn_mobilenet_v3_large_fpn
 from torchvision.models.detection.anchor_utils import AnchorGenerator

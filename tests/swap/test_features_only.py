@@ -14,9 +14,10 @@ import re
 from typing import Any
 
 import pytest
-import timm
 import torch
 from torch import nn
+
+timm = pytest.importorskip("timm", reason="features_only models are timm's")
 
 import lightning_mrs as lm
 

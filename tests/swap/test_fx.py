@@ -13,9 +13,10 @@ from typing import Callable
 
 import pytest
 import torch
-import torchvision
 from torch import Tensor, nn
-from torchvision.models.feature_extraction import create_feature_extractor
+
+torchvision = pytest.importorskip("torchvision")
+from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
 
 from lightning_mrs import LayerNorm2d, MRSNorm, MRSNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d, swap_norms
 from lightning_mrs.modules import _mrs_norm_layer

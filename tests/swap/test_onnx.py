@@ -21,13 +21,13 @@ import warnings
 from typing import Optional
 
 import pytest
-import timm
 import torch
-import torchvision
 from torch import nn
 
 import lightning_mrs as lm
 
+timm = pytest.importorskip("timm")
+torchvision = pytest.importorskip("torchvision")
 pytest.importorskip("onnx", reason="ONNX export tests need the onnx extra: pip install lightning-mrs[onnx]")
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (the onnx extra)")
 ort = pytest.importorskip("onnxruntime", reason="checking an ONNX export needs onnxruntime (the onnx extra)")

@@ -62,11 +62,12 @@ def test_sweep_cells_in_the_hparams_dashboard(tmp_path: Path) -> None:
             assert values["z-final/diverged"] == 0.0
             assert all(m["trainingStep"] == 3 for m in group["metricValues"])
 
-        # no empty hp_metric; the Time Series: summaries, train/*, val/*, then the run's summary and layers
+        # no empty hp_metric; the Time Series: the result, summaries, train/*, val/*, the run's summary, layers
         series = get_json(f"{base}/data/plugin/timeseries/tags")
         tags = [t for tags in series["scalars"]["runTagInfo"].values() for t in tags]
         assert "hp_metric" not in tags and "epoch" not in tags
-        assert [g for g, _ in time_series_groups(tags)] == ["phasor", "train", "val", "z-final", "z-layers"]
+        assert [g for g, _ in time_series_groups(tags)] == ["accuracy", "phasor", "train", "val", "z-final",
+                                                           "z-layers"]
 
 
 def net() -> nn.Sequential:

@@ -39,6 +39,7 @@ BEFORE = {
     "recipes/sweeps/lm_claims.py": "recipes/sweeps/claims/lm.py",
     "recipes/sweeps/convert_claims.py": "recipes/sweeps/claims/convert.py",
     "recipes/sweeps/mechanism.py": "recipes/sweeps/claims/mechanism.py",
+    "recipes/resume.py": "recipes/vision/resume.py",
 }
 
 

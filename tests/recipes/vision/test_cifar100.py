@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers import ROOT
 from helpers.scripts import run_script
-from helpers.tensorboard import event_scalars, session_start
+from helpers.tensorboard import event_scalars, session_start, time_series_groups
 from recipes.vision.classifier import ImageClassifier
 from recipes.common.training import default_precision
 from recipes.vision.models import build_model
@@ -52,6 +52,9 @@ def test_fit_validate_checkpoint_and_reload(tmp_path: Path) -> None:
     for tag in ("train/loss", "train/epoch", "val/loss", "val/top5"):
         assert tag in scalars, sorted(scalars)
     assert any(t.startswith("phasor/all/") for t in scalars), sorted(scalars)
+    # TensorBoard's Time Series opens on the result: accuracy/* (train/top1's and val/top1's values) first
+    assert time_series_groups(scalars)[0] == ("accuracy", ["accuracy/train", "accuracy/val"])
+    assert scalars["accuracy/val"] == scalars["val/top1"] and scalars["accuracy/train"] == scalars["train/top1"]
     assert "hp_metric" not in scalars and "epoch" not in scalars
     # the HParams session: the final metrics (z-final/*, at the last step) and the settings
     assert scalars["z-final/top1"] == scalars["z-final/best_top1"] == [(steps, scalars["val/top1"][-1][1])]

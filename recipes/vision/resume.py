@@ -1,0 +1,219 @@
+"""What makes the image recipe's resume bit for bit: data order, augmentation and step randomness as functions of counters.
+
+A run resumed from a checkpoint taken in the middle of an epoch must see exactly the batches, the
+augmented images and the dropout masks the uninterrupted run saw. Nothing here draws from a
+random stream whose position a resume would lose; each draw is a function of the run's seed
+(:func:`run_seed`) and of counters that the checkpoint holds:
+
+* :class:`EpochSampler`: the training order of epoch ``e`` is a permutation seeded by ``(seed, e)``,
+  split over the processes as ``DistributedSampler`` splits it (Lightning keeps it: it is one);
+  each index comes with its augmentation seed, a function of ``(seed, e, index)``, which
+  :func:`seeded` applies around the sample's transform, so neither the DataLoader's worker
+  count nor a resume changes an augmented image;
+* :class:`ResumableLoader`: a DataLoader with ``state_dict``/``load_state_dict``, whose position
+  (the epoch and the number of samples the training loop has taken in it; the batches prefetched
+  are not counted) goes into the checkpoint; the resumed sampler skips those samples, without
+  loading them;
+* :class:`StepSeed`: before each training batch, the global torch generators (CPU and CUDA:
+  dropout, drop-path) are seeded by ``(seed, rank, epoch, batch index)``, so a step's randomness
+  does not depend on what ran before it (validation, a DataLoader started, a resume).
+
+Example:
+    >>> sampler = EpochSampler(10, seed=0)
+    >>> sampler.set_epoch(3)
+    >>> first = list(sampler)
+    >>> len(first), sorted(i for i, _ in first) == list(range(10))
+    (10, True)
+    >>> sampler.load_state_dict({"epoch": 3, "samples": 4})
+    >>> list(sampler) == first[4:]
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+__all__ = ["EpochSampler", "ResumableLoader", "StepSeed", "mix", "run_seed", "seeded"]
+
+_MASK = (1 << 64) - 1
+
+
+def mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over each): nearby inputs give unrelated seeds.
+
+    Example:
+        >>> mix(0, 1) != mix(1, 0) and 0 <= mix(0, 1) < 2**63
+        True
+    """
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
+        h ^= h >> 31
+    return h >> 1
+
+
+def run_seed() -> int:
+    """The run's seed: ``seed_everything``'s (``PL_GLOBAL_SEED``), else torch's initial seed.
+
+    Example:
+        >>> saved = os.environ.pop("PL_GLOBAL_SEED", None)
+        >>> _ = torch.manual_seed(123); run_seed()
+        123
+        >>> os.environ["PL_GLOBAL_SEED"] = "7"; run_seed()  # as pl.seed_everything(7) sets it
+        7
+        >>> _ = os.environ.pop("PL_GLOBAL_SEED") if saved is None else os.environ.update(PL_GLOBAL_SEED=saved)
+    """
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(seed) if seed is not None else torch.initial_seed()
+
+
+def seeded(seed: Optional[int], fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn(value)`` with torch's CPU generator seeded by ``seed`` and restored afterwards (``None``: as is).
+
+    torchvision's random transforms draw from the global CPU generator; seeding it per sample makes
+    the sample's augmentation a function of ``seed`` alone, and restoring it leaves the stream of
+    the rest of the process (the model's dropout when loading runs in the main process) untouched.
+
+    Example:
+        >>> before = torch.get_rng_state()
+        >>> a, b = seeded(5, lambda n: torch.rand(n), 3), seeded(5, lambda n: torch.rand(n), 3)
+        >>> torch.equal(a, b), torch.equal(torch.get_rng_state(), before)
+        (True, True)
+    """
+    if seed is None:
+        return fn(value)
+    with torch.random.fork_rng(devices=[]):  # the CPU generator only: CUDA's is the step's
+        torch.default_generator.manual_seed(seed)
+        return fn(value)
+
+
+class EpochSampler(DistributedSampler):
+    """Shuffled ``(index, augmentation seed)`` pairs; epoch ``e``'s order is a function of ``(seed, e)``.
+
+    As ``DistributedSampler`` (``drop_last=False``): the epoch's permutation is padded with its
+    own first indices to a multiple of ``num_replicas`` and process ``rank`` takes every
+    ``num_replicas``-th index from ``rank``. :meth:`load_state_dict` starts the next iteration
+    ``samples`` (counted over all processes) into the epoch's permutation.
+
+    Args:
+        length: the dataset's size.
+        seed: the run's seed.
+        num_replicas: processes sharing the data.
+        rank: this process.
+
+    Example:
+        >>> ranks = [EpochSampler(5, seed=0, num_replicas=2, rank=r) for r in (0, 1)]
+        >>> [len(s) for s in ranks], sorted({i for s in ranks for i, _ in s})
+        ([3, 3], [0, 1, 2, 3, 4])
+    """
+
+    def __init__(self, length: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        if length < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"EpochSampler: need length >= 1 and 0 <= rank < num_replicas, got {length}, "
+                             f"{rank}, {num_replicas}")
+        # not DistributedSampler.__init__: it needs a dataset and may ask torch.distributed
+        self.length, self.seed, self.num_replicas, self.rank = length, seed, num_replicas, rank
+        self.shuffle, self.drop_last, self.epoch = True, False, 0
+        self.num_samples = math.ceil(length / num_replicas)  # per process and epoch
+        self.total_size = self.num_samples * num_replicas
+        self._skip = 0  # samples (all processes) of the epoch already taken: the next iteration starts after them
+        self.iterations = 0  # iterations begun (a position loaded later would apply to the next epoch)
+
+    def order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s permutation of all indices, padded to ``total_size``."""
+        g = torch.Generator().manual_seed(mix(self.seed, epoch))
+        perm = torch.randperm(self.length, generator=g).tolist()
+        while len(perm) < self.total_size:
+            perm += perm[: self.total_size - len(perm)]
+        return perm
+
+    @override
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        epoch, skip = self.epoch, self._skip
+        self._skip = 0  # once: the next epochs start at their beginning
+        self.iterations += 1
+        for i in self.order(epoch)[skip:][self.rank:: self.num_replicas]:
+            yield i, mix(self.seed, epoch, i)
+
+    @override
+    def __len__(self) -> int:
+        return self.num_samples  # the whole epoch's, also when resuming: Lightning counts the batches taken
+
+    def state_dict(self, samples: int = 0) -> dict[str, int]:
+        """The epoch and ``samples``, the samples (all processes) of it already taken."""
+        return {"epoch": self.epoch, "samples": samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Go on from :meth:`state_dict`'s position: the next iteration skips the samples taken."""
+        self.epoch, self._skip = int(state["epoch"]), int(state["samples"])
+
+
+class ResumableLoader(DataLoader):
+    """A training DataLoader over an :class:`EpochSampler` that Lightning saves and resumes mid-epoch.
+
+    ``progress`` (set by the data module) says where the training loop is: ``(batches taken in
+    this epoch, batches in an epoch)``. Lightning calls :meth:`state_dict` when it saves a
+    checkpoint, which keeps it from warning that the loader is not resumable. The data module
+    saves the same position (``LightningDataModule.state_dict``) and gives it to the sampler it
+    builds: Lightning restores a data module before it asks for the loader, but restores this
+    loader's state only when it builds the loader after the loops (not when ``configure_optimizers``
+    asked for ``estimated_stepping_batches``, as the recipe's schedule does).
+
+    Example:
+        >>> loader = ResumableLoader(list(range(8)), sampler=EpochSampler(8, seed=0), batch_size=2, drop_last=True)
+        >>> loader.progress = lambda: (3, len(loader))  # 3 of the epoch's 4 batches taken
+        >>> loader.state_dict()
+        {'epoch': 0, 'samples': 6}
+    """
+
+    progress: Optional[Callable[[], tuple[int, int]]] = None
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "samples"}``; a finished epoch is saved as the start of the next."""
+        sampler = self.sampler
+        if not isinstance(sampler, EpochSampler):
+            return {}
+        taken, per_epoch = self.progress() if self.progress is not None else (0, 1)
+        if taken >= per_epoch:  # saved at the epoch's end: the resume starts the next epoch
+            return {"epoch": sampler.epoch + 1, "samples": 0}
+        return sampler.state_dict(taken * (self.batch_size or 1) * sampler.num_replicas)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at :meth:`state_dict`'s position, unless the sampler has begun (it had it from the data module)."""
+        if state and isinstance(self.sampler, EpochSampler) and self.sampler.iterations == 0:
+            self.sampler.load_state_dict(state)
+
+
+class StepSeed(Callback):
+    """Seed torch's generators (CPU and every CUDA device) before each training batch.
+
+    The seed is a function of the run's seed, the process's rank, the epoch and the batch index,
+    so dropout and drop-path masks are the same in a resumed run as in the uninterrupted one,
+    whatever consumed random numbers between two steps.
+
+    Example:
+        >>> StepSeed().seed is None  # Trainer(callbacks=[StepSeed()]); on_fit_start reads the run's seed
+        True
+    """
+
+    def __init__(self) -> None:
+        self.seed: Optional[int] = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seed = run_seed()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        seed = self.seed if self.seed is not None else run_seed()
+        torch.manual_seed(mix(seed, trainer.global_rank, trainer.current_epoch, batch_idx))
