@@ -23,7 +23,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["KNOWN_NORMS", "is_transformers", "known_norm"]
+__all__ = ["KNOWN_NORMS", "derives_from_transformers", "is_transformers", "known_norm"]
 
 _RMS = ("rms", "w")
 _RMS_OFFSET = ("rms", "1+w")
@@ -48,6 +48,19 @@ def is_transformers(module: object) -> bool:
     A swapped model's ``LightningMRS<Base>`` class (:mod:`lightning_mrs.swap.modeling_lightning_mrs`)
     counts as its base's."""
     cls = getattr(type(module), "_lightning_mrs_base", None) or type(module)
+    return cls.__module__.startswith("transformers.")
+
+
+def derives_from_transformers(obj: object) -> bool:
+    """``obj``'s class is a transformers class or a subclass of one (a user's ``class
+    MyLlama(LlamaForCausalLM)``): what decides whether a model holds a config to record its swap in.
+    Norm classes are still recognised by :func:`is_transformers` alone (their formula is known by name)."""
+    return any(is_transformers_class(cls) for cls in type(obj).__mro__)
+
+
+def is_transformers_class(cls: type) -> bool:
+    """``cls`` itself comes from the transformers package (or is a ``LightningMRS<Base>`` of one)."""
+    cls = getattr(cls, "_lightning_mrs_base", None) or cls
     return cls.__module__.startswith("transformers.")
 
 
