@@ -39,3 +39,15 @@ def test_a_swapped_subclass_saves_its_record_and_loads_back(tmp_path, options):
         torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
     kinds = {n: type(m) for n, m in model.named_modules() if n.endswith("norm")}
     assert kinds == {n: type(m) for n, m in again.named_modules() if n.endswith("norm")}
+
+
+def test_a_peft_wrapper_is_not_taken_for_the_transformers_model():
+    """PEFT's ``PeftModel`` derives from transformers' ``PushToHubMixin`` and forwards ``config``: the
+    record still goes into the wrapped transformers model's config, with names relative to it."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_config("llama")).eval()
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    swap_norms(wrapped, "mrs")
+    names = set(getattr(base.config, RECORD_KEY)["layers"])
+    assert names and names <= {n for n, _ in base.named_modules()}, sorted(names)[:3]

@@ -51,17 +51,18 @@ def is_transformers(module: object) -> bool:
     return cls.__module__.startswith("transformers.")
 
 
+#: transformers' base classes of every model and every config (``PretrainedConfig`` before transformers 5)
+_BASES = {("transformers.modeling_utils", "PreTrainedModel"), ("transformers.configuration_utils", "PreTrainedConfig"),
+          ("transformers.configuration_utils", "PretrainedConfig")}
+
+
 def derives_from_transformers(obj: object) -> bool:
-    """``obj``'s class is a transformers class or a subclass of one (a user's ``class
-    MyLlama(LlamaForCausalLM)``): what decides whether a model holds a config to record its swap in.
-    Norm classes are still recognised by :func:`is_transformers` alone (their formula is known by name)."""
-    return any(is_transformers_class(cls) for cls in type(obj).__mro__)
-
-
-def is_transformers_class(cls: type) -> bool:
-    """``cls`` itself comes from the transformers package (or is a ``LightningMRS<Base>`` of one)."""
-    cls = getattr(cls, "_lightning_mrs_base", None) or cls
-    return cls.__module__.startswith("transformers.")
+    """``obj`` is a transformers model or config, its class perhaps defined elsewhere (a user's ``class
+    MyLlama(LlamaForCausalLM)``): transformers' ``PreTrainedModel`` or ``PreTrainedConfig`` is in its
+    class's MRO. What decides whether a model holds a config to record its swap in; not any class
+    of transformers in the MRO (PEFT's ``PeftModel`` derives from transformers' ``PushToHubMixin``
+    and is a wrapper, not the model). Norm classes are recognised by :func:`is_transformers` alone."""
+    return any((cls.__module__, cls.__name__) in _BASES for cls in type(obj).__mro__)
 
 
 def known_norm(module: nn.Module) -> Optional[tuple[tuple[str, str], Optional[float]]]:
