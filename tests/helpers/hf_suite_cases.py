@@ -37,7 +37,8 @@ from helpers.hf_suite_selected import SELECTED, VARIANTS
 
 _suite = importlib.import_module(f"{os.environ.get('LMRS_HF_SUITE', 'lmrs_hf_suite')}.test_modeling_common")
 ModelTesterMixin = _suite.ModelTesterMixin
-ids_tensor, random_attention_mask = _suite.ids_tensor, _suite.random_attention_mask
+ids_tensor = _suite.ids_tensor
+
 
 def _record(entry: dict[str, Any]) -> None:
     path = os.environ.get("LMRS_HF_RECORD")

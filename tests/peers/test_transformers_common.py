@@ -23,7 +23,7 @@ repository, a package whose path is our stand-ins' folder and then the sdist's `
 ``parameterized`` (imported by the suite) is in the ``dev`` extra.
 
 Run it with ``python -m pytest tests/peers/test_transformers_common.py -m slow -p no:randomly``
-(one run of 28 tests x 16 classes: 4 to 7.5 minutes on two shared CPU cores).
+(one run of 28 tests x 16 classes: 2.5 to 7.5 minutes on two shared CPU cores).
 """
 
 from __future__ import annotations
