@@ -89,18 +89,6 @@ class QKMultiheadAttention(_QKHook, nn.MultiheadAttention):
     def scale(self) -> float:
         return self.head_dim**-0.5
 
-    def _masks(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, dtype: torch.dtype,
-               ) -> Optional[Tensor]:
-        """One additive float mask broadcastable to ``(B, heads, L, S)``, as torch merges them."""
-        kpm = F._canonical_mask(key_padding_mask, "key_padding_mask", F._none_or_dtype(attn_mask), "attn_mask", dtype)
-        mask = F._canonical_mask(attn_mask, "attn_mask", None, "", dtype, check_other=False)
-        if mask is not None:
-            mask = mask.view(batch, self.num_heads, *mask.shape[-2:]) if mask.dim() == 3 else mask  # (B|1, H|1, L, S)
-        if kpm is not None:
-            kpm = kpm.view(batch, 1, 1, -1)  # (B, 1, 1, S)
-            mask = kpm if mask is None else mask + kpm
-        return mask
-
     def forward(
         self,
         query: Tensor,
@@ -114,27 +102,22 @@ class QKMultiheadAttention(_QKHook, nn.MultiheadAttention):
     ) -> tuple[Tensor, Optional[Tensor]]:
         if self.bias_k is not None or self.add_zero_attn:
             raise ValueError(f"{type(self).__name__}: {self.unsupported(self)}.")
-        batched = query.dim() == 3
-        if not batched:  # (L, E) -> (1, L, E)
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
-        elif not self.batch_first:  # (L, B, E) -> (B, L, E)
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        B, L, E = query.shape
+        # the layout's Python branches run in fx-wrapped functions: symbolic_trace records one node for each
+        q_in, k_in, v_in, key_padding_mask = _batch_first(query, key, value, key_padding_mask, self.batch_first)
         H, D = self.num_heads, self.head_dim
         if self.in_proj_weight is not None:
             w_q, w_k, w_v = self.in_proj_weight.chunk(3)
         else:
             w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
         b_q, b_k, b_v = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
-        q = F.linear(query, w_q, b_q).view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
-        k = F.linear(key, w_k, b_k).view(B, key.shape[1], H, D).transpose(1, 2)  # (B, H, S, D)
-        v = F.linear(value, w_v, b_v).view(B, value.shape[1], H, D).transpose(1, 2)  # (B, H, S, D)
+        q = F.linear(q_in, w_q, b_q).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, L, D)
+        k = F.linear(k_in, w_k, b_k).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, S, D)
+        v = F.linear(v_in, w_v, b_v).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, S, D)
         q, k = self.q_norm(q), self.k_norm(k)
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention).")
         causal = is_causal and key_padding_mask is None and not need_weights  # torch then trusts the hint
-        mask = None if causal else self._masks(attn_mask, key_padding_mask, B, q.dtype)
+        mask = None if causal else _merged_mask(attn_mask, key_padding_mask, H, q)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
@@ -145,12 +128,46 @@ class QKMultiheadAttention(_QKHook, nn.MultiheadAttention):
             out = weights @ v  # (B, H, L, D)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, L, S)
-            weights = weights if batched else weights.squeeze(0)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))  # (B, L, E)
-        if not batched:
-            out = out.squeeze(0)
-        elif not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, weights
+        out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, L, E)
+        return _caller_layout(out, weights, query, self.batch_first)
+
+
+@torch.fx.wrap
+def _batch_first(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], batch_first: bool,
+                 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """The inputs as ``(B, L, E)`` (and the padding mask as ``(B, S)``), from any layout
+    ``nn.MultiheadAttention`` takes. Wrapped by ``torch.fx.wrap`` (it branches on ``query.dim()``):
+    one node in a traced graph, as torch's own ``nn.MultiheadAttention`` is one leaf module."""
+    if query.dim() != 3:  # unbatched (L, E) -> (1, L, E)
+        kpm = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), kpm
+    if not batch_first:  # (L, B, E) -> (B, L, E)
+        return query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), key_padding_mask
+    return query, key, value, key_padding_mask
+
+
+@torch.fx.wrap
+def _caller_layout(out: Tensor, weights: Optional[Tensor], query: Tensor, batch_first: bool,
+                   ) -> tuple[Tensor, Optional[Tensor]]:
+    """``(out, weights)`` back in the caller's layout (the one ``query`` came in); fx-wrapped as :func:`_batch_first`."""
+    if query.dim() != 3:
+        return out.squeeze(0), None if weights is None else weights.squeeze(0)
+    return (out if batch_first else out.transpose(0, 1)), weights
+
+
+@torch.fx.wrap
+def _merged_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], heads: int, like: Tensor,
+                 ) -> Optional[Tensor]:
+    """One additive float mask broadcastable to ``(B, heads, L, S)``, as torch merges ``attn_mask``
+    (bool or float, 2-D or per head) and ``key_padding_mask``; fx-wrapped (it branches on their shapes)."""
+    batch, dtype = like.shape[0], like.dtype
+    kpm = F._canonical_mask(key_padding_mask, "key_padding_mask", F._none_or_dtype(attn_mask), "attn_mask", dtype)
+    mask = F._canonical_mask(attn_mask, "attn_mask", None, "", dtype, check_other=False)
+    if mask is not None:
+        mask = mask.view(batch, heads, *mask.shape[-2:]) if mask.dim() == 3 else mask  # (B|1, H|1, L, S)
+    if kpm is not None:
+        kpm = kpm.view(batch, 1, 1, -1)  # (B, 1, 1, S)
+        mask = kpm if mask is None else mask + kpm
+    return mask

@@ -102,6 +102,15 @@ class _WindowQK(_QKHook):
         return x[:, :H, :W, :].contiguous()  # (B, H, W, C)
 
 
+@torch.fx.wrap
+def _window_attention(module: _WindowQK, x: Tensor, bias: Tensor, logit_scale: Optional[Tensor]) -> Tensor:
+    """``module._attend``, one node in a ``torch.fx`` graph: the padding and the shift depend on the
+    input's height and width (Python branches fx cannot trace), so it is wrapped by ``torch.fx.wrap``
+    as torchvision wraps its own ``shifted_window_attention``. The graph passes the module itself
+    (a ``get_attr`` node), and the call runs its ``q_norm``/``k_norm`` eagerly, forward and backward."""
+    return module._attend(x, bias, logit_scale)
+
+
 class QKShiftedWindowAttention(_WindowQK, swin.ShiftedWindowAttention):
     """Swin V1's window attention with ``q_norm``/``k_norm`` (logit scale ``head_dim**-0.5``)."""
 
@@ -110,7 +119,7 @@ class QKShiftedWindowAttention(_WindowQK, swin.ShiftedWindowAttention):
         return self.head_dim**-0.5
 
     def forward(self, x: Tensor) -> Tensor:
-        return self._attend(x, self.get_relative_position_bias(), None)
+        return _window_attention(self, x, self.get_relative_position_bias(), None)
 
 
 class QKShiftedWindowAttentionV2(_WindowQK, swin.ShiftedWindowAttentionV2):
@@ -120,7 +129,7 @@ class QKShiftedWindowAttentionV2(_WindowQK, swin.ShiftedWindowAttentionV2):
     scale = None  # learned: exp(clamp(logit_scale)) per head, on cosine similarities
 
     def forward(self, x: Tensor) -> Tensor:
-        return self._attend(x, self.get_relative_position_bias(), self.logit_scale)
+        return _window_attention(self, x, self.get_relative_position_bias(), self.logit_scale)
 
 
 class QKRelativePositionalMultiHeadAttention(_QKHook, maxvit.RelativePositionalMultiHeadAttention):
@@ -141,8 +150,9 @@ class QKRelativePositionalMultiHeadAttention(_QKHook, maxvit.RelativePositionalM
     def forward(self, x: Tensor) -> Tensor:
         B, G, P, _ = x.shape
         H, DH = self.n_heads, self.head_dim
+        q, k, v = self.to_qkv(x).chunk(3, dim=-1)  # unpacked, not iterated: torch.fx traces it
         q, k, v = (t.reshape(B, G, P, H, DH).permute(0, 1, 3, 2, 4).reshape(B * G, H, P, DH)
-                   for t in self.to_qkv(x).chunk(3, dim=-1))  # (B*G, H, P, DH) each
+                   for t in (q, k, v))  # (B*G, H, P, DH) each
         q, k = self.q_norm(q), self.k_norm(k)
         attn = (q @ (k * self.scale_factor).transpose(-2, -1)).view(B, G, H, P, P)
         attn = F.softmax(attn + self.get_relative_positional_bias(), dim=-1)

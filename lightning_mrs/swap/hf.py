@@ -23,7 +23,7 @@ from typing import Optional
 
 from torch import nn
 
-__all__ = ["KNOWN_NORMS", "is_transformers", "known_norm"]
+__all__ = ["KNOWN_NORMS", "derives_from_transformers", "is_transformers", "known_norm"]
 
 _RMS = ("rms", "w")
 _RMS_OFFSET = ("rms", "1+w")
@@ -49,6 +49,20 @@ def is_transformers(module: object) -> bool:
     counts as its base's."""
     cls = getattr(type(module), "_lightning_mrs_base", None) or type(module)
     return cls.__module__.startswith("transformers.")
+
+
+#: transformers' base classes of every model and every config (``PretrainedConfig`` before transformers 5)
+_BASES = {("transformers.modeling_utils", "PreTrainedModel"), ("transformers.configuration_utils", "PreTrainedConfig"),
+          ("transformers.configuration_utils", "PretrainedConfig")}
+
+
+def derives_from_transformers(obj: object) -> bool:
+    """``obj`` is a transformers model or config, its class perhaps defined elsewhere (a user's ``class
+    MyLlama(LlamaForCausalLM)``): transformers' ``PreTrainedModel`` or ``PreTrainedConfig`` is in its
+    class's MRO. What decides whether a model holds a config to record its swap in; not any class
+    of transformers in the MRO (PEFT's ``PeftModel`` derives from transformers' ``PushToHubMixin``
+    and is a wrapper, not the model). Norm classes are recognised by :func:`is_transformers` alone."""
+    return any((cls.__module__, cls.__name__) in _BASES for cls in type(obj).__mro__)
 
 
 def known_norm(module: nn.Module) -> Optional[tuple[tuple[str, str], Optional[float]]]:

@@ -41,13 +41,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from lightning_mrs.swap.attention_info import is_qk_name
-from lightning_mrs.swap.hf import is_transformers
+from lightning_mrs.swap.hf import derives_from_transformers
 from lightning_mrs.swap.layer_record import LayerRecord, layer_record
 from lightning_mrs.swap.probe import TOLERANCE, _clone, _probe_input, cpu_float64
 from lightning_mrs.swap.registry import norm_spec
@@ -66,6 +67,8 @@ _GUARD_START = "lightning_mrs (norms swapped by lightning-mrs"  # every release'
 _FORMAT = 1
 #: the config keys that hold :data:`GUARD` in ``config.json`` (each refused by transformers' model ``__init__``)
 GUARDED_KEYS = ("attn_implementation", "experts_implementation")
+#: transformers model -> the config :func:`record_in_configs` gave it (not kept on the config: it is saved)
+_OWNED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def guard(config: Any) -> None:
@@ -97,7 +100,9 @@ def hf_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if any(name.startswith(f"{r}.") or not r for r, _ in roots):
             continue
         config = getattr(module, "config", None)
-        if is_transformers(module) and callable(getattr(module, "save_pretrained", None)) and is_transformers(config):
+        # a subclass counts (a user's model class, a test's stand-in): its save_pretrained writes the config all the same
+        if (derives_from_transformers(module) and callable(getattr(module, "save_pretrained", None))
+                and derives_from_transformers(config)):
             roots.append((name, module))
     return roots
 
@@ -166,6 +171,24 @@ def _relative(name: str, prefix: str) -> Optional[str]:
     return name[len(prefix) + 1:] if name.startswith(f"{prefix}.") else None
 
 
+def _own_config(model: nn.Module, root: nn.Module) -> None:
+    """Give ``root`` a config of its own before the record goes in: transformers keeps the config
+    object a model is built from, so two models built from one config share it, and the record (and
+    the guard) would otherwise make the other model save as swapped. A shallow copy: the sub-configs
+    (``text_config``...) stay the objects the submodules hold; only top-level keys are written.
+    Every module of ``model`` that held the old object (the base model, the attention layers, a
+    wrapper's ``config``) is given the copy, so the model keeps reading one config."""
+    old = root.config
+    if _OWNED.get(root) is old:  # already its own (a second swap)
+        return
+    new = copy.copy(old)
+    new.__dict__ = dict(old.__dict__)  # top-level keys of its own; the values (sub-configs) shared
+    _OWNED[root] = new
+    for module in model.modules():
+        if module.__dict__.get("config") is old:
+            module.__dict__["config"] = new
+
+
 def record_in_configs(model: nn.Module, report: SwapReport, built: dict[str, tuple[nn.Module, nn.Module]]) -> None:
     """Write the layers this swap changed into the config of every transformers model in ``model``.
 
@@ -179,6 +202,7 @@ def record_in_configs(model: nn.Module, report: SwapReport, built: dict[str, tup
         return
     modules = dict(model.named_modules())
     for prefix, root in hf_roots(model):
+        _own_config(model, root)
         record = copy.deepcopy(swap_record(root)) or {"format": _FORMAT, "layers": {}}
         layers: dict[str, LayerRecord] = record.setdefault("layers", {})
         for name in names:

@@ -1,5 +1,6 @@
-"""torch.fx and TorchScript on swapped models: a traced, feature-extracted or scripted model
-gives the eager swapped model's outputs and gradients, and the shape checks still fire.
+"""torch.fx and TorchScript on swapped models (QK-norms in torchvision attention included): a
+traced, feature-extracted or scripted model gives the eager swapped model's outputs and gradients,
+and the shape checks still fire.
 
 Before the norms' forwards were fx-wrapped functions (``lightning_mrs.modules``,
 ``lightning_mrs.swap.layers``), ``symbolic_trace`` of any model holding an MRSNorm or a
@@ -17,10 +18,11 @@ from torch import Tensor, nn
 
 torchvision = pytest.importorskip("torchvision")
 from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
+from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2  # noqa: E402
 
 from lightning_mrs import LayerNorm2d, MRSNorm, MRSNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d, swap_norms
 from lightning_mrs.modules import _mrs_norm_layer
-from lightning_mrs.swap import layers
+from lightning_mrs.swap import attention_torchvision, layers
 
 timm = pytest.importorskip("timm")
 ta = pytest.importorskip("timm.layers.norm_act")
@@ -210,3 +212,101 @@ def test_shape_check_fires_inside_a_traced_graph(make: Callable[[], nn.Module], 
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Identity(), layer))
     with pytest.raises(ValueError, match=re.escape(str(eager.value))):
         gm(x)
+
+
+# QK-norms in torchvision attention (ViT's nn.MultiheadAttention, Swin V1/V2's window attention,
+# MaxViT's). Before, symbolic_trace of each raised "symbolically traced variables cannot be used as
+# inputs to control flow" (the rebuilt attention branched on the input's shape, and MaxViT's iterated
+# a traced chunk). ViT's and MaxViT's now trace natively (the layout branches are fx-wrapped
+# functions, each QK-norm its own node); Swin's window attention is one wrapped node, as
+# torchvision's own shifted_window_attention is.
+
+QK_MODELS: dict[str, tuple[Callable[[], nn.Module], str]] = {
+    # (the model, the block whose output create_feature_extractor takes)
+    "vit": (lambda: torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                         hidden_dim=32, mlp_dim=64, num_classes=5), "encoder.layers.encoder_layer_0"),
+    "swin": (lambda: torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+                                                        window_size=[4, 4], num_classes=5), "features.1"),
+    "swin_v2": (lambda: torchvision.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=[4, 4], num_classes=5,
+        block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2), "features.1"),
+    "maxvit": (lambda: torchvision.models.MaxVit(input_size=(32, 32), stem_channels=8, partition_size=2,
+                                                 block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                                                 stochastic_depth_prob=0.0, num_classes=5), "blocks.0"),
+}
+
+
+def _qk_swapped(name: str, target: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = QK_MODELS[name][0]()
+    report = swap_norms(model, target, qk_norm=target)
+    assert len(report.qk_added) >= 4, report.qk_added  # two per attention layer, every layer
+    with torch.no_grad():  # weights away from their init, so a skipped QK-norm weight shows
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def _window_calls(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and n.target is attention_torchvision._window_attention for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("target", ["mrs", "rms", "layer"])
+@pytest.mark.parametrize("name", list(QK_MODELS))
+def test_symbolic_trace_of_qk_attention_matches_eager(name: str, target: str) -> None:
+    model = _qk_swapped(name, target)
+    gm = torch.fx.symbolic_trace(model)
+    assert _window_calls(gm) == (4 if name.startswith("swin") else 0)  # Swin: one node per window attention
+    x = torch.randn(2, 3, 32, 32)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    eager, traced = _grads(model, params, x), _grads(gm, params, x)
+    for key, e, t in zip(["out", "x", *names], eager, traced):
+        torch.testing.assert_close(t, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    # not vacuous: every QK-norm weight gets a gradient, so a graph that skipped one would differ above
+    qk = {key: g for key, g in zip(names, eager[2:]) if key.rpartition(".")[0].endswith(("q_norm", "k_norm"))}
+    assert len(qk) >= 4 and all(g.abs().sum() > 0 for g in qk.values()), sorted(qk)
+
+
+@pytest.mark.parametrize("name", list(QK_MODELS))
+def test_create_feature_extractor_on_qk_attention(name: str) -> None:
+    model = _qk_swapped(name, "mrs")
+    block = QK_MODELS[name][1]
+    x = torch.randn(2, 3, 32, 32)
+    eager = {}
+    handle = model.get_submodule(block).register_forward_hook(lambda m, i, o: eager.__setitem__("out", o))
+    model(x)
+    handle.remove()  # else the tracer would run it too
+    feats = create_feature_extractor(model, {block: "block"})(x)
+    torch.testing.assert_close(feats["block"], eager["out"], rtol=1e-5, atol=1e-6)
+
+
+class _MaskedAttention(nn.Module):
+    """A QK-norm attention called sequence-first with a padding mask and a per-head bool mask: the
+    layout and mask branches ``symbolic_trace`` must not see (they are fx-wrapped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)  # batch_first=False: (L, B, E)
+
+    def forward(self, x: Tensor, pad: Tensor, mask: Tensor) -> Tensor:
+        out, weights = self.attn(x, x, x, key_padding_mask=pad, attn_mask=mask, average_attn_weights=False)
+        return out.sum() + weights.sum(dim=-1).mean()
+
+
+def test_traced_qk_multihead_attention_takes_masks_and_any_layout() -> None:
+    torch.manual_seed(0)
+    model = _MaskedAttention()
+    swap_norms(model, None, qk_norm="mrs")
+    assert type(model.attn).__name__ == "QKMultiheadAttention"
+    with torch.no_grad():
+        model.attn.q_norm.weight.uniform_(0.5, 1.5)
+    gm = torch.fx.symbolic_trace(model)
+    x = torch.randn(5, 3, 8)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, -2:] = True
+    mask = torch.rand(3 * 2, 5, 5) > 0.8
+    mask[..., 0] = False  # every row attends somewhere
+    torch.testing.assert_close(gm(x, pad, mask), model(x, pad, mask), rtol=0, atol=0)
+    unbatched = (x[:, 0], pad[0], mask[:2])  # (L, E), (S,), (heads, L, S)
+    torch.testing.assert_close(gm(*unbatched), model(*unbatched), rtol=0, atol=0)
