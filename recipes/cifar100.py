@@ -50,13 +50,14 @@ if not __package__:  # run as a script (`python recipes/cifar100.py`): import th
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
+from recipes.common.last_checkpoint import LastCheckpoint
 from recipes.common.checkpoints import check_checkpoint
 from recipes.vision.classifier import ImageClassifier
 from recipes.vision.data import ImageDataModule
@@ -81,7 +82,7 @@ class CifarCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")  # last.ckpt at every validation
         parser.set_defaults({
             "checkpoint.monitor": "val/top1",
             "checkpoint.mode": "max",

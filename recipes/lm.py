@@ -74,12 +74,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor, OutlierMonitor
+from recipes.common.last_checkpoint import LastCheckpoint
 from recipes.text.byte_lm import ByteLM, FSDP2Strategy
 from recipes.text.causal_lm import require_transformers
 from recipes.common.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
@@ -168,7 +169,7 @@ class LMCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")  # last.ckpt at every validation
         parser.set_defaults({
             "checkpoint.monitor": "val/loss",
             "checkpoint.mode": "min",
