@@ -18,12 +18,13 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from helpers.sdist import fetch_sdist
 
 timm = pytest.importorskip("timm")
 pytest.importorskip("torchvision")  # the suite's fx tests use torchvision's feature extraction
@@ -57,24 +58,10 @@ def _fetch_suite(cache_dir: Path) -> Path:
     suite = cache_dir / f"timm-{version}"
     if (suite / "tests" / "test_models.py").is_file():
         return suite
-    archive = cache_dir / f"timm-{version}.tar.gz"
-    if not archive.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-               f"timm=={version}", "-d", str(cache_dir), "-q"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            pytest.skip(f"cannot fetch the timm {version} sdist: {err}")
-        if done.returncode or not archive.is_file():
-            reason = (done.stderr.strip().splitlines() or ["no archive"])[-1]
-            pytest.skip(f"cannot fetch the timm {version} sdist: {reason}")
     # Only the tests and the pytest config: without the sdist's timm/ package, the run imports
     # the installed timm (the one whose models are swapped), not the source tree.
-    with tarfile.open(archive) as tar:
-        wanted = [m for m in tar.getmembers()
-                  if m.name.startswith(f"timm-{version}/tests/") or m.name == f"timm-{version}/pyproject.toml"]
-        tar.extractall(cache_dir, members=wanted, filter="data")
-    return suite
+    return fetch_sdist("timm", version, cache_dir, lambda name: name.startswith(f"timm-{version}/tests/")
+                       or name == f"timm-{version}/pyproject.toml")
 
 
 @pytest.fixture(scope="module")

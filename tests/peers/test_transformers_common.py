@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -40,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from helpers.hf_suite_selected import SELECTED, VARIANTS
+from helpers.sdist import fetch_sdist
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("parameterized")  # the suite imports it (the dev extra)
@@ -72,21 +72,8 @@ def _fetch_suite(cache_dir: Path) -> Path:
     tests = cache_dir / f"transformers-{version}" / "tests"
     if (tests / "test_modeling_common.py").is_file():
         return tests
-    archive = cache_dir / f"transformers-{version}.tar.gz"
-    if not archive.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-               f"transformers=={version}", "-d", str(cache_dir), "-q"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            pytest.skip(f"cannot fetch the transformers {version} sdist: {err}")
-        if done.returncode or not archive.is_file():
-            reason = (done.stderr.strip().splitlines() or ["no archive"])[-1]
-            pytest.skip(f"cannot fetch the transformers {version} sdist: {reason}")
     # Only the tests: without the sdist's src/, the run imports the installed transformers.
-    with tarfile.open(archive) as tar:
-        wanted = [m for m in tar.getmembers() if m.name.startswith(f"transformers-{version}/tests/")]
-        tar.extractall(cache_dir, members=wanted, filter="data")
+    fetch_sdist("transformers", version, cache_dir, lambda name: name.startswith(f"transformers-{version}/tests/"))
     if not (tests / "test_modeling_common.py").is_file():
         pytest.skip(f"the transformers {version} sdist has no tests/test_modeling_common.py")
     return tests
