@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mrs.swap.attention_info import is_qk_name
-from lightning_mrs.swap.hf_record import RECORD_KEY, guard
+from lightning_mrs.swap.hf_record import RECORD_KEY, guard, recorded_layers
 from lightning_mrs.swap.modeling_lightning_mrs import PREFIX, swapped_class
 from lightning_mrs.swap.registry import norm_spec
 
@@ -218,10 +218,7 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
         model, info = base.from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
         _stray_norm_weights(source, model, info)
         return (model, info) if wants_info else model
-    if record.get("format") != 1:
-        raise ValueError(f"{_name(source)}: config.json's {RECORD_KEY} record has format {record.get('format')!r}; this "
-                         "lightning-mrs reads format 1 (upgrade lightning-mrs)")
-    layers = {name: {k: v for k, v in entry.items() if k != "plain"} for name, entry in (record.get("layers") or {}).items()}
+    layers = recorded_layers(record, f"{_name(source)}: ")
     guarded = not all(entry.get("plain") for entry in (record.get("layers") or {}).values())
 
     # the swapped class: its __init__ removes the guards and re-applies the record to the freshly built

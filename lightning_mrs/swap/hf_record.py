@@ -56,7 +56,7 @@ from lightning_mrs.swap.report import SwapReport
 from lightning_mrs.version import __version__
 
 __all__ = ["GUARD", "GUARDED_KEYS", "RECORD_KEY", "guard", "hf_roots", "is_guard", "loads_as_saved", "record_in_configs",
-           "swap_record", "unguard"]
+           "recorded_layers", "swap_record", "unguard"]
 
 RECORD_KEY = "lightning_mrs"
 #: the value of ``attn_implementation`` in a swapped model's ``config.json``: an implementation
@@ -90,6 +90,24 @@ def unguard(config: Any) -> None:
 def is_guard(value: Any) -> bool:
     """Whether ``value`` (a config's ``attn_implementation``) is the guard of any lightning-mrs release."""
     return isinstance(value, str) and value.startswith(_GUARD_START)
+
+
+def recorded_layers(record: dict[str, Any], where: str = "") -> dict[str, dict[str, Any]]:
+    """The layers ``record`` (a config's :data:`RECORD_KEY`) holds, as
+    :func:`~lightning_mrs.swap.spec.rebuild` takes them: ``name -> layer record`` without the
+    ``plain`` mark.
+
+    Raises:
+        ValueError: the record has a format this release does not read (``where`` starts the message).
+
+    Example:
+        >>> recorded_layers({"format": 1, "layers": {"norm": {"kind": "mrs", "plain": False}}})
+        {'norm': {'kind': 'mrs'}}
+    """
+    if record.get("format") != _FORMAT:
+        raise ValueError(f"{where}config.json's {RECORD_KEY} record has format {record.get('format')!r}; this "
+                         f"lightning-mrs reads format {_FORMAT} (upgrade lightning-mrs)")
+    return {name: {k: v for k, v in entry.items() if k != "plain"} for name, entry in (record.get("layers") or {}).items()}
 
 
 def hf_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:

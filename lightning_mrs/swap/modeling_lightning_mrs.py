@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mrs.swap.hf_record import RECORD_KEY, hf_roots, swap_record, unguard
+from lightning_mrs.swap.hf_record import RECORD_KEY, hf_roots, recorded_layers, swap_record, unguard
 from lightning_mrs.swap.spec import rebuild
 
 __all__ = ["PREFIX", "adopt", "auto_map", "base_class", "swapped_class"]
@@ -74,13 +74,8 @@ def _auto_classes(base: type) -> list[str]:
 
 def _rebuild_recorded(model: nn.Module, config: Any) -> None:
     record = getattr(config, RECORD_KEY, None)
-    if not isinstance(record, dict):
-        return
-    if record.get("format") != 1:
-        raise ValueError(f"config.json's {RECORD_KEY} record has format {record.get('format')!r}; this "
-                         "lightning-mrs reads format 1 (upgrade lightning-mrs)")
-    layers = {name: {k: v for k, v in entry.items() if k != "plain"} for name, entry in (record.get("layers") or {}).items()}
-    rebuild(model, None, layers)  # the recorded layers, built on the device the weights load to
+    if isinstance(record, dict):
+        rebuild(model, None, recorded_layers(record))  # the recorded layers, built on the device the weights load to
 
 
 def _init(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:

@@ -162,6 +162,17 @@ def test_a_directory_saved_before_this_format_still_loads(tmp_path):
     _same_model(from_pretrained(path), model)
 
 
+def test_a_record_of_another_format_is_refused_by_both_ways_in(tmp_path):
+    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
+    saved = json.loads((path / "config.json").read_text())
+    saved["lightning_mrs"]["format"] = 2
+    (path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"saved'?: config.json's lightning_mrs record has format 2; .*upgrade lightning-mrs"):
+        from_pretrained(path)
+    with pytest.raises(ValueError, match=r"^config.json's lightning_mrs record has format 2; .*upgrade lightning-mrs"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+
 def test_a_swapped_model_pickles_and_copies_as_its_class():
     import copy
 
