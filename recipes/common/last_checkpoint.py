@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
@@ -33,13 +31,6 @@ class LastCheckpoint(ModelCheckpoint):
         True
     """
 
-    _saved_at_step = -1
-
-    @override
-    def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
-        self._saved_at_step = trainer.global_step
-
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_train_epoch_end(trainer, pl_module)
@@ -53,10 +44,7 @@ class LastCheckpoint(ModelCheckpoint):
             self._keep_last_current(trainer)
 
     def _keep_last_current(self, trainer: "pl.Trainer") -> None:
-        """After Lightning's own save point: ``last.ckpt`` when nothing was saved at this step."""
-        if (self.save_last is not True or self.dirpath is None or trainer.sanity_checking or trainer.fast_dev_run
-                or trainer.state.fn != "fit" or self._saved_at_step == trainer.global_step):
-            return
-        path = os.path.join(self.dirpath, f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}")
-        self.last_model_path = path  # before saving: it is part of the callback's saved state
-        self._save_checkpoint(trainer, path)
+        """After Lightning's own save point: ``last.ckpt`` when nothing was saved at this step
+        (Lightning's own skip rule: sanity check, fast_dev_run, not fitting, saved already)."""
+        if self.save_last is True and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
