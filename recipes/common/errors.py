@@ -15,12 +15,32 @@ Example:
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
-__all__ = ["UsageError", "report"]
+__all__ = ["UsageError", "check_loader_options", "report"]
 
 
 class UsageError(ValueError):
     """A user mistake; the message is one line naming the option (or path) and the fix."""
+
+
+def check_loader_options(val_fraction: float, num_workers: Optional[int]) -> None:
+    """The options every recipe DataModule shares (``--data.val_fraction``, ``--data.num_workers``).
+
+    Raises:
+        UsageError: one line naming the option and its valid range.
+
+    Example:
+        >>> check_loader_options(0.1, None)
+        >>> check_loader_options(1.0, 0)
+        Traceback (most recent call last):
+        ...
+        recipes.common.errors.UsageError: --data.val_fraction must lie in (0, 1), got 1.0.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise UsageError(f"--data.val_fraction must lie in (0, 1), got {val_fraction}.")
+    if num_workers is not None and num_workers < 0:
+        raise UsageError(f"--data.num_workers must be >= 0 or None (auto), got {num_workers}.")
 
 
 def report(err: BaseException) -> int:

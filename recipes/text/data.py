@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 from typing_extensions import override
 
-from recipes.common.errors import UsageError
+from recipes.common.errors import UsageError, check_loader_options
 from recipes.text.corpus import Split, load_split, stdlib_files, text_files, unigram_entropy
 from recipes.text.token_cache import TokenSplit
 
@@ -163,10 +163,7 @@ class TextDataModule(pl.LightningDataModule):
         for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("val_windows", val_windows, 1)):
             if value < low:
                 raise UsageError(f"--data.{name} must be >= {low}, got {value}.")
-        if not 0.0 < val_fraction < 1.0:
-            raise UsageError(f"--data.val_fraction must lie in (0, 1), got {val_fraction}.")
-        if num_workers is not None and num_workers < 0:
-            raise UsageError(f"--data.num_workers must be >= 0 or None (auto), got {num_workers}.")
+        check_loader_options(val_fraction, num_workers)
         self.save_hyperparameters()
         self.dataset, self.path, self.seq_len, self.batch_size = dataset, path, seq_len, batch_size
         self.val_fraction, self.split_seed, self.val_windows = val_fraction, split_seed, val_windows

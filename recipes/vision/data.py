@@ -53,7 +53,7 @@ from typing_extensions import override
 
 from recipes.vision.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
                                      scan_folder, stratified_split)
-from recipes.common.errors import UsageError
+from recipes.common.errors import UsageError, check_loader_options
 from recipes.vision.resume import EpochSampler, ResumableLoader, run_seed, seeded
 from recipes.vision.synthetic import SyntheticCIFAR100
 
@@ -177,10 +177,7 @@ class ImageDataModule(pl.LightningDataModule):
             raise UsageError(f"--data.batch_size must be >= 1, got {batch_size}.")
         if image_size < 8:
             raise UsageError(f"--data.image_size must be >= 8, got {image_size}.")
-        if not 0.0 < val_fraction < 1.0:
-            raise UsageError(f"--data.val_fraction must lie in (0, 1), got {val_fraction}.")
-        if num_workers is not None and num_workers < 0:
-            raise UsageError(f"--data.num_workers must be >= 0 or None (auto), got {num_workers}.")
+        check_loader_options(val_fraction, num_workers)
         self.save_hyperparameters()
         self.dataset = dataset
         self.root = root
