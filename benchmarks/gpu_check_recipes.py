@@ -19,18 +19,23 @@ __all__ = ["ALL_FLAGS", "kill_active", "last_error", "pytest_check", "recipe_che
 
 
 def recipe_command(script: str, precision: str, ctx_device: str, devices: int, strategy: Optional[str],
-                   root_dir: Path, flags: Optional[set[str]] = None,
-                   compiled: bool = False) -> tuple[list[str], list[str]]:
-    """``(command, notes)``: a few steps of ``script`` with the monitors on (``compiled``: its model
-    compiled, ``--model.compile true``); ``notes`` say what its ``--help`` did not offer (then that
-    part is left out, or the check fails where the option is the point of it)."""
+                   root_dir: Path, flags: Optional[set[str]] = None, compiled: bool = False,
+                   steps: int = 6) -> tuple[list[str], list[str]]:
+    """``(command, notes)``: ``steps`` steps of ``script`` with the monitors on (one step: a one-batch
+    epoch, then one validation batch; ``compiled``: its model compiled, ``--model.compile true``);
+    ``notes`` say what its ``--help`` did not offer (then that part is left out, or the check fails
+    where the option is the point of it)."""
     accelerator = "gpu" if ctx_device.startswith("cuda") else "cpu"
     run_dir = root_dir / (f"{Path(script).stem}_{precision}_{devices}{'_' + strategy if strategy else ''}"
-                          f"{'_compiled' if compiled else ''}")
+                          f"{'_compiled' if compiled else ''}_{steps}")
+    every = "1" if steps == 1 else "2"
     cmd = [sys.executable, script, "--trainer.accelerator", accelerator, "--trainer.devices", str(devices),
-           "--trainer.precision", precision, "--trainer.max_steps", "6", "--trainer.limit_val_batches", "2",
-           "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
+           "--trainer.precision", precision, "--trainer.max_steps", str(steps),
+           "--trainer.limit_val_batches", "1" if steps == 1 else "2",
+           "--trainer.log_every_n_steps", every, "--trainer.enable_progress_bar", "false",
            "--trainer.default_root_dir", str(run_dir)]
+    if steps == 1:
+        cmd += ["--trainer.limit_train_batches", "1"]
     if strategy:
         cmd += ["--trainer.strategy", strategy]
     notes: list[str] = []
@@ -44,13 +49,13 @@ def recipe_command(script: str, precision: str, ctx_device: str, devices: int, s
         cmd += ["--model.arch", "llama", "--model.norm", "mrs", "--model.config",
                 '{"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512}',
                 "--data.dataset", "stdlib", "--data.seq_len", "128", "--data.batch_size", "16",
-                "--data.val_windows", "32", "--trainer.val_check_interval", "3"]
+                "--data.val_windows", "32"] + (["--trainer.val_check_interval", "3"] if steps > 1 else [])
     if compiled:
         cmd += ["--model.compile", "true"]
     if flags is not None:
         for monitor in ("--monitor.log_every_n_steps", "--attention.log_every_n_steps"):
             if monitor in flags:
-                cmd += [monitor, "2"]
+                cmd += [monitor, every]
         if not any(f.startswith("--monitor.") for f in flags):
             notes.append("no --monitor.* option in its --help: no gradient monitor")
         unknown = [a for a in cmd if a.startswith("--") and a not in flags]
@@ -70,16 +75,19 @@ def kill_active() -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
-def run_command(cmd: list[str], timeout: float) -> tuple[int, str]:
+def run_command(cmd: list[str], timeout: float, live: bool = False) -> tuple[int, str]:
     """``(status, the output)``; status 124 on a timeout. The command runs in a session of its
     own; a timeout sends it SIGTERM (a worker then kills its own command's session), then
-    SIGKILL: a recipe's data workers must not go on holding the GPU after their row is written."""
+    SIGKILL: a recipe's data workers must not go on holding the GPU after their row is written.
+    ``live``: its stdout goes straight to ours (a worker's rows as they end), only stderr is kept."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=None if live else subprocess.PIPE,
+                            stderr=subprocess.PIPE if live else subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     _ACTIVE.add(proc.pid)
     try:
-        out, _ = proc.communicate(timeout=max(timeout, 1))
+        out, err = proc.communicate(timeout=max(timeout, 1))
+        out = err if live else out
     except subprocess.TimeoutExpired:
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -107,7 +115,8 @@ def recipe_check(cmd: list[str], timeout: float) -> Callable[[Any], tuple[str, s
         status, text = run_command(cmd, timeout)
         if status != 0:
             return "FAIL", f"exit {status}: {last_error(text)}", {"command": cmd}
-        return "PASS", f"6 steps in {time.perf_counter() - t0:.0f} s", {"command": cmd}
+        steps = cmd[cmd.index("--trainer.max_steps") + 1]
+        return "PASS", f"{steps} step(s) in {time.perf_counter() - t0:.0f} s", {"command": cmd}
     return run
 
 

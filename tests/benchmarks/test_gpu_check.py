@@ -1,15 +1,18 @@
-"""``benchmarks/gpu_check.py`` on a machine without a GPU: one line and a non-zero status, the
-``--dry-run`` plan and its estimate against the budget, the groups run in worker subprocesses on
-the CPU (``--device cpu``: the same code as on CUDA) with every row in ``results.csv`` and
-``results.md``, a dying worker costing one row, the checks catching a wrong kernel (the one-ulp
-half gradient catching one that the loose tolerance passes), the speed row's ratio, and the
-recipe commands against the recipes' own ``--help``."""
+"""``benchmarks/gpu_check.py`` on a machine without a GPU: the missing-package lines and status 2,
+the core's estimate (<= 240 s) and the ``--extended`` split, a check whose need is missing as a
+SKIP row, the result file (JSON + Markdown) written by real CPU runs and read back, a run killed
+mid-way leaving a valid file with its finished rows, a dying worker costing one row, the checks
+catching a wrong kernel, the speed figures and the bar from measured numbers, and the recipe
+commands against the recipes' own ``--help``."""
 
 from __future__ import annotations
 
-import csv
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from helpers import ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402 - the benchmark under test
 import gpu_check_ops  # noqa: E402
+import gpu_check_results as results  # noqa: E402
 import gpu_check_speed  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -30,105 +34,245 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
-def _ctx(tmp_path: Path, device: str = "cuda") -> gpu_check.Context:
-    backends = ["triton", "auto", "eager"] if device == "cuda" else ["cpp", "eager", "auto"]
-    return gpu_check.Context(device, 1, 1, tmp_path, backends)
+def _plan(tmp_path: Path, device: str = "cuda", gpus: int = 1) -> list[gpu_check.Check]:
+    return gpu_check.checks(gpu_check.Context(device, gpus, 1, tmp_path))
+
+
+def _table(md: str) -> list[dict]:
+    """The rows of the Markdown table, by header."""
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split(" | ")]
+    return [dict(zip(header, (c.strip() for c in ln[2:-2].split(" | ")))) for ln in lines[1:]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible: the check would run")
-def test_without_cuda_one_line_and_a_nonzero_status(tmp_path: Path) -> None:
+def test_without_cuda_the_missing_lines_and_status_2(tmp_path: Path) -> None:
     out = _run("--out", str(tmp_path / "out"))
     assert out.returncode == 2
-    assert (out.stdout + out.stderr).strip().splitlines() == [gpu_check.NO_CUDA]
-    assert not (tmp_path / "out").exists()
-
-
-def test_the_default_run_fits_its_budget_by_its_own_estimate(tmp_path: Path) -> None:
-    every = gpu_check.checks(_ctx(tmp_path))
-    default = [every[i] for i in gpu_check.select(every, None, extra=False)]
-    assert gpu_check.estimate(default) <= gpu_check.BUDGET_S <= gpu_check.LIMIT_S - 30 <= 8 * 60 - 30
-    # the order: speed first, then correctness, then recipes; every group once, contiguous
-    groups = [c.group for c in default]
-    assert groups[0] == "speed" and groups.index("ops") < groups.index("recipes") < groups.index("pytest")
-    assert [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]] == ["speed", "ops", "recipes", "pytest"]
-    # the estimate counts every check and a worker start per group
-    assert gpu_check.estimate(default) == sum(c.seconds for c in default) + 4 * gpu_check.WORKER_START_S
-    extra = [c for c in every if c.extra]
-    assert {c.name for c in extra} >= {"recipes/lm.py bf16-mixed compiled", "recipes/lm.py bf16-mixed FSDP2 x2"}
-
-
-def test_dry_run_prints_the_plan_and_its_estimate(tmp_path: Path) -> None:
-    out = _run("--dry-run", "--out", str(tmp_path / "out"))
-    assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    every = gpu_check.checks(_ctx(tmp_path))
-    default = [every[i] for i in gpu_check.select(every, None, extra=False)]
-    for check in default:
-        assert any(line.startswith(f"{check.group:10s} {check.name}") for line in lines), check.name
-    assert "tokens 8192x1024 bfloat16" in out.stdout and "QK-norm (8*2048*16)x128 bfloat16" in out.stdout
-    assert "half gradient to one ulp bfloat16" in out.stdout and "--trainer.precision 16-mixed" in out.stdout
-    assert "compiled" not in out.stdout  # an --extra check
-    assert lines[-1].startswith(f"{len(default)} checks in 4 workers, ~{gpu_check.estimate(default):.0f} s estimated")
+    assert lines and all(line.startswith("missing: ") for line in lines) and "missing: CUDA - no CUDA GPU" in out.stdout
     assert not (tmp_path / "out").exists() and "Traceback" not in out.stderr
 
 
+def test_the_core_fits_240_s_in_its_order_and_the_rest_is_extended(tmp_path: Path) -> None:
+    every = _plan(tmp_path)
+    core = [c for c in every if not c.extended]
+    assert gpu_check.estimate(core) <= gpu_check.CORE_LIMIT_S == 240
+    assert gpu_check.estimate(core) == sum(c.seconds for c in core) + gpu_check.WORKER_START_S  # one worker
+    groups = [c.group for c in core]  # speed, then the ops, then the recipes, each group contiguous
+    assert [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]] == ["speed", "ops", "recipes"]
+    names = [c.name for c in core]
+    assert names[0] == "device copy" and {"tokens 16384x4096 bfloat16", "tokens 8192x8192 bfloat16",
+                                          "tokens 4096x4096 float32", "QK-norm (8*2048*16)x128 bfloat16",
+                                          "decode 1x2048 bfloat16", "decode 1x4096 bfloat16"} <= set(names)
+    assert [n for n in names if n.startswith("triton")] == ["triton float32", "triton bfloat16", "triton float16"]
+    recipes = [c for c in core if c.group == "recipes"]
+    assert [(c.command[1], c.command[c.command.index("--trainer.precision") + 1],
+             c.command[c.command.index("--trainer.max_steps") + 1]) for c in recipes] == [
+        ("recipes/cifar100.py", "16-mixed", "1"), ("recipes/lm.py", "bf16-mixed", "1")]
+    extended = {c.name for c in every if c.extended}
+    assert {"pytest -m cuda", "torch.compile bfloat16", "half gradient to one ulp float16",
+            "recipes/lm.py bf16-mixed compiled, 6 steps", "recipes/lm.py bf16-mixed FSDP2 x2, 6 steps"} <= extended
+    assert gpu_check.select(every, extended=False) == [i for i, c in enumerate(every) if not c.extended]
 
-def test_dry_run_extra_lists_the_compiled_and_multi_gpu_recipes(capsys: pytest.CaptureFixture) -> None:
-    assert gpu_check.main(["--dry-run", "--extra"]) == 0
+
+def test_dry_run_prints_the_plan_and_the_core_estimate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "out")]) == 0
     text = capsys.readouterr().out
-    assert "--model.compile true" in text and "--trainer.strategy fsdp2" in text and ", 2 GPUs" in text
+    core = [c for c in _plan(tmp_path / "out") if not c.extended]
+    for check in core:
+        assert f"core     {check.group:9s} {check.name}" in text, check.name
+    assert "extended" not in text and "--trainer.precision 16-mixed" in text
+    assert text.strip().splitlines()[-1] == (f"core: {len(core)} checks, ~{gpu_check.estimate(core):.0f} s "
+                                             f"estimated (limit 240 s)")
+    assert gpu_check.main(["--dry-run", "--extended"]) == 0
+    text = capsys.readouterr().out
+    assert "extended pytest    pytest -m cuda" in text and "--model.compile true" in text and ", 2 GPUs" in text
+    assert text.strip().splitlines()[-1].startswith("extended: ")
+    assert not (tmp_path / "out").exists()
 
 
-def _rows(folder: Path) -> dict[str, dict]:
-    with open(folder / "results.csv", newline="") as f:
-        return {r["check"]: r for r in csv.DictReader(f)}
-
-
-def test_groups_run_in_workers_and_a_dying_worker_costs_one_row(tmp_path: Path) -> None:
+def test_what_is_missing_is_one_line_each_and_its_checks_are_skip_rows(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # find_spec answers None: not installed
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    missing = gpu_check.preflight("cuda")
+    assert set(missing) == {"triton", "liger", "bf16"}
+    assert all(line.startswith("missing: ") and "\n" not in line for line in missing.values())
+    assert "triton" in missing["triton"] and "liger-kernel" in missing["liger"] and "7.5" in missing["bf16"]
+    # the checks that need what is missing are SKIP rows that say why; nothing is run for them
     out = tmp_path / "out"
-    env = dict(__import__("os").environ, **{gpu_check.CRASH_ENV: "ops/cpp bfloat16"})
-    res = _run("--device", "cpu", "--only", "ops", "--match", r"^(cpp|half gradient to one ulp bfloat16)",
-               "--out", str(out), env=env)
-    rows = _rows(out)
-    assert res.returncode == 1, res.stdout + res.stderr  # the crash is a failed row
+    results.start(out, {})
+    every = _plan(out)
+    pick = [i for i, c in enumerate(every) if c.name in ("device copy", "triton float32", "decode 1x2048 bfloat16",
+                                                          "recipes/lm.py bf16-mixed, 1 step")]
+    monkeypatch.setattr(gpu_check, "_run_command", lambda *a, **k: pytest.fail("ran a check it cannot run"))
+    args = gpu_check._parser().parse_args(["--out", str(out)])
+    gpu_check.run_checks(args, every, pick, missing, 1, time.perf_counter() + 100)
+    rows = results.load(out)["rows"]
+    assert [r["status"] for r in rows] == ["SKIP"] * 4
+    assert [r["result"] for r in rows] == [missing["triton"], missing["bf16"], missing["triton"], missing["bf16"]]
+
+
+def test_the_missing_lines_come_first_without_importing_triton_liger_or_the_package() -> None:
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; gpu_check.preflight('cpu'); "
+            "print([m for m in ('triton', 'liger_kernel', 'lightning', 'lightning_mrs') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+MATCH = r"^(device copy|tokens 8192x1024 bfloat16|decode 1x2048 bfloat16|cpp float32)$"
+
+
+def test_the_result_file_is_written_row_by_row_and_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert gpu_check.main(["--device", "cpu", "--match", MATCH, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = results.load(out)
+    rows = data["rows"]
+    assert [r["check"] for r in rows] == ["device copy", "tokens 8192x1024 bfloat16", "decode 1x2048 bfloat16",
+                                          "cpp float32"]
+    assert [r["status"] for r in rows] == ["INFO", "INFO", "INFO", "PASS"]
+    assert data["meta"]["missing"][-1].startswith("missing: CUDA - --device cpu")
+    assert "measured" in data["summary"]["core"]
+    # the speed columns are the measured times: GB/s, the share of the copy, the ratio to nn.RMSNorm
+    copy, tokens, decode = rows[0], rows[1], rows[2]
+    raw = tokens["raw"]
+    assert raw["shape"] == [8192 // 64, 1024] and raw["nbytes"] == 128 * 1024 * 2
+    assert tokens["fwd_gbs"] == pytest.approx(2 * raw["nbytes"] / (raw["ours_fwd"] * 1e-3) / 1e9)
+    assert tokens["bwd_gbs"] == pytest.approx(3 * raw["nbytes"] / (raw["ours_bwd"] * 1e-3) / 1e9)
+    assert tokens["fwd_copy"] == pytest.approx(tokens["fwd_gbs"] / copy["copy_gbs"])
+    assert tokens["bwd_vs_torch"] == pytest.approx(raw["rms_bwd"] / raw["mrs_bwd"])
+    assert tokens["fwd_vs_liger"] is None and "backward floor near 0.3 ms" in tokens["result"]
+    assert decode["fwd_vs_torch"] == pytest.approx(decode["rms_ms"] / decode["mrs_ms"])
+    # the Markdown table is the same rows, the figures rounded
+    md = (out / "results.md").read_text()
+    table = _table(md)
+    assert [(t["check"], t["status"]) for t in table] == [(r["check"], r["status"]) for r in rows]
+    assert table[1]["fwd % copy"] == f"{tokens['fwd_copy']:.0%}" and table[1]["fwd x Liger"] == ""
+    assert table[1]["bwd x nn.RMSNorm"] == f"x{tokens['bwd_vs_torch']:.2f}"
+    assert md.startswith("# gpu_check on CPU") and "missing: CUDA" in md and "QuACK RMSNorm" in md
+    assert "- forward >= 85% of the copy on tokens 16384x4096 bfloat16: unknown (not measured)" in md
+    assert printed.splitlines()[0].startswith("missing: ") and "bar: backward >= 1.0x Liger" in printed
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_the_bar_is_judged_on_measured_figures() -> None:
+    copy_bw = gpu_check_speed.copy_bandwidth("cpu", nbytes=1 << 22)
+    rows = []
+    for name, dtype in results.BAR_CASES:
+        case = next(c for c in gpu_check_speed.CASES if (c.name, c.dtype) == (name, dtype))
+        row = gpu_check_speed.run_case(case, "cpu", copy_bw, scale=1024)
+        row.liger_bwd = row.rms_bwd  # a measured time in Liger's place (Liger runs on CUDA only)
+        rows.append({"group": "speed", "check": f"{name} {dtype}", **row.figures()})
+    verdicts = results.bar(rows)
+    assert len(verdicts) == 6
+    for (claim, met, shown), (row, (key, floor)) in zip(verdicts, [(r, k) for r in rows for k in (
+            ("ours_fwd", 0.85), ("liger", 1.0), ("ours_bwd", 0.60))]):
+        raw = row["raw"]
+        if key == "ours_fwd":  # independently: the bytes over the time over the copy's bandwidth
+            value = 2 * raw["nbytes"] / (raw["ours_fwd"] * 1e-3) / copy_bw
+        elif key == "ours_bwd":
+            value = 3 * raw["nbytes"] / (raw["ours_bwd"] * 1e-3) / copy_bw
+        else:
+            value = raw["liger_bwd"] / raw["ours_bwd"]
+        assert met == (value >= floor), (claim, value)
+        assert claim.endswith(row["check"])
+    assert all(met is None and shown == "not measured" for _, met, shown in results.bar(rows[:1])[3:])
+
+
+@pytest.mark.slow  # two processes importing torch, then rows: ~25 s here
+def test_a_run_killed_mid_way_leaves_a_valid_file_with_its_finished_rows(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--device", "cpu", "--match", "QK-norm|tokens|decode",
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "results.json").exists() and len(results.load(out)["rows"]) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its worker, mid-way
+        proc.wait()
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    total = len([c for c in _plan(out, "cpu") if c.group == "speed" and c.name != "device copy"])
+    assert 2 <= len(rows) < total, "the run was not cut off mid-way"
+    assert all(r["status"] == "INFO" and (r.get("fwd_gbs") or r.get("mrs_ms")) > 0 for r in rows), rows
+    table = _table((out / "results.md").read_text())
+    assert len(table) >= len(rows) - 1  # the Markdown follows the JSON, at most the row being written behind
+    assert [t["check"] for t in table] == [r["check"] for r in rows][:len(table)]
+
+
+@pytest.mark.slow  # two worker starts: ~35 s here
+def test_checks_run_in_workers_and_a_dying_worker_costs_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setenv(gpu_check.CRASH_ENV, "ops/cpp bfloat16")  # the worker subprocess dies at that check
+    assert gpu_check.main(["--device", "cpu", "--match", r"^cpp", "--out", str(out)]) == 1  # a failed row
+    rows = {r["check"]: r for r in results.load(out)["rows"]}
     died = rows.pop("cpp bfloat16")
     assert died["status"] == "FAIL" and "the worker died (exit 134)" in died["result"]
-    assert list(rows) == ["cpp float32", "cpp float16", "half gradient to one ulp bfloat16"]
-    assert all(r["status"] == "PASS" for r in rows.values())
-    table = (out / "results.md").read_text().splitlines()
-    assert table[0].startswith("gpu_check on CPU") and len([t for t in table if t.startswith("| ")]) == 1 + 4
-    assert res.stdout.strip().splitlines()[-2].startswith("4 checks: 3 PASS, 1 FAIL, 0 SKIP, 0 INFO")
+    assert list(rows) == ["cpp float32", "cpp float16"] and all(r["status"] == "PASS" for r in rows.values())
+    assert "3 rows: 2 PASS, 1 FAIL, 0 SKIP, 0 INFO" in capsys.readouterr().out
 
 
-def test_checks_past_the_budget_are_skipped_rows_that_say_so(tmp_path: Path) -> None:
+def test_checks_past_the_budget_are_skip_rows_that_say_so(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    status = gpu_check.main(["--device", "cpu", "--only", "ops", "--budget", "10", "--out", str(out)])
-    rows = list(_rows(out).values())
-    assert status == 0 and rows and all(r["status"] == "SKIP" and "time budget" in r["result"] for r in rows)
+    assert gpu_check.main(["--device", "cpu", "--match", "^cpp", "--budget", "10", "--out", str(out)]) == 0
+    rows = results.load(out)["rows"]
+    assert len(rows) == 3 and all(r["status"] == "SKIP" and "time budget" in r["result"] for r in rows)
+
+
+def test_the_extended_checks_run_only_after_a_core_without_a_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    ran = []
+
+    def fake(cmd: list[str], timeout: float, live: bool = False) -> tuple[int, str]:
+        indices = [int(i) for i in cmd[cmd.index("--indices") + 1].split(",")]
+        every = _plan(tmp_path / "out", "cpu")
+        for i in indices:  # write the rows a worker would: the core's first check fails
+            ran.append(i)
+            gpu_check.report(tmp_path / "out", i, every[i], "FAIL" if i == indices[0] and not every[i].extended
+                             else "PASS", 0.0, "")
+        return 0, ""
+
+    monkeypatch.setattr(gpu_check, "_run_command", fake)
+    match = "^(cpp float32|eager bfloat16)$"
+    assert gpu_check.main(["--device", "cpu", "--extended", "--match", match, "--out", str(tmp_path / "out")]) == 1
+    assert [r["check"] for r in results.load(tmp_path / "out")["rows"]] == ["cpp float32"]
+    assert "extended: not run: the core has 1 FAIL row(s)" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_check, "_run_command", lambda cmd, timeout, live=False: (
+        [gpu_check.report(tmp_path / "ok", int(i), _plan(tmp_path / "ok", "cpu")[int(i)], "PASS", 0.0, "")
+         for i in cmd[cmd.index("--indices") + 1].split(",")], (0, ""))[1])
+    assert gpu_check.main(["--device", "cpu", "--extended", "--match", match, "--out", str(tmp_path / "ok")]) == 0
+    rows = results.load(tmp_path / "ok")["rows"]
+    assert [(r["check"], r["extended"]) for r in rows] == [("cpp float32", False), ("eager bfloat16", True)]
 
 
 @pytest.mark.parametrize("returncode", [124, 139])
 def test_a_worker_stopped_or_killed_leaves_a_fail_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        returncode: int) -> None:
     out = tmp_path / "out"
-    gpu_check.start_output(out, "title")
+    results.start(out, {})
     every = [gpu_check.Check("ops", f"check {i}", 1, lambda ctx: ("PASS", "", {})) for i in range(3)]
     calls = []
 
-    def fake(cmd: list[str], timeout: float) -> tuple[int, str]:
+    def fake(cmd: list[str], timeout: float, live: bool = False) -> tuple[int, str]:
         calls.append(cmd)
         return returncode, "Segmentation fault" if returncode == 139 else "timed out"
 
     monkeypatch.setattr(gpu_check, "_run_command", fake)
     args = gpu_check._parser().parse_args(["--device", "cpu", "--out", str(out)])
-    gpu_check.run_group(args, every, [0, 1, 2], __import__("time").perf_counter(), budget=100)
-    rows = list(_rows(out).values())
-    if returncode == 124:  # the timeout: the group stops there
-        assert [r["status"] for r in rows] == ["FAIL", "SKIP", "SKIP"] and "timed out" in rows[0]["result"]
-        assert len(calls) == 1
-    else:  # a crash: one FAIL row each, then a fresh worker for the rest
-        assert [r["status"] for r in rows] == ["FAIL"] * 3 and "worker died (exit 139)" in rows[0]["result"]
-        assert [c[c.index("--indices") + 1] for c in calls] == ["0,1,2", "1,2", "2"]
+    gpu_check.run_checks(args, every, [0, 1, 2], {}, 1, time.perf_counter() + 100)
+    rows = results.load(out)["rows"]
+    assert [r["status"] for r in rows] == ["FAIL"] * 3  # one FAIL row each, then a fresh worker for the rest
+    assert ("timed out" if returncode == 124 else "worker died (exit 139)") in rows[0]["result"]
+    assert [c[c.index("--indices") + 1] for c in calls] == ["0,1,2", "1,2", "2"]
 
 
 def test_a_wrong_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,16 +317,15 @@ def test_the_reference_is_the_formula_of_the_method() -> None:
     torch.testing.assert_close(gpu_check_ops.reference(x, None, -1, False, eps=0.0), x / 3)
 
 
-def test_the_speed_row_says_which_is_faster_and_its_share_of_a_copy() -> None:
-    row = gpu_check_speed.SpeedRow("tokens", "bfloat16", ours_fwd=1.0, ours_bwd=2.0, liger_fwd=1.5, liger_bwd=3.0)
-    assert row.ratio == pytest.approx(2 / 3) and row.faster == "MRSNorm" and "x0.67, MRSNorm faster" in row.summary()
-    slower = gpu_check_speed.SpeedRow("tokens", "bfloat16", 2.0, 2.0, 1.0, 1.0)
-    assert slower.faster == "Liger RMSNorm" and gpu_check_speed.SpeedRow("t", "f", 1.0, 1.0).faster == ""
+def test_the_speed_row_figures_from_a_cpu_run() -> None:
     case = gpu_check_speed.SpeedCase("tokens 64x256", (64, 256), "float32")
-    res = gpu_check_speed.run_case(case, "cpu", copy_bw=1e9)
-    assert res.ours_fwd > 0 and res.ours_bwd > 0 and res.module_ours > 0 and res.module_rms > 0
-    assert res.bandwidth == pytest.approx(5 * 64 * 256 * 4 / (res.ours * 1e-3))
-    assert res.copy_share == pytest.approx(res.bandwidth / 1e9) and res.liger is None and "Liger: CUDA only" in res.notes
+    row = gpu_check_speed.run_case(case, "cpu", copy_bw=1e9)
+    assert row.ours_fwd > 0 and row.ours_bwd > 0 and row.mrs_bwd > 0 and row.rms_fwd > 0
+    figures = row.figures()
+    assert figures["fwd_gbs"] == pytest.approx(2 * 64 * 256 * 4 / (row.ours_fwd * 1e-3) / 1e9)
+    assert figures["bwd_copy"] == pytest.approx(3 * 64 * 256 * 4 / (row.ours_bwd * 1e-3) / 1e9)
+    assert figures["fwd_vs_torch"] == pytest.approx(row.rms_fwd / row.mrs_fwd)
+    assert figures["bwd_vs_liger"] is None and "Liger: CUDA only" in row.notes
 
 
 def test_the_compiled_lm_row_asks_for_compile_in_a_run_folder_of_its_own(tmp_path: Path) -> None:
@@ -206,7 +349,7 @@ def _help_flags(script: str) -> set[str]:
 def test_every_recipe_flag_exists_in_the_recipes_help(script: str, tmp_path: Path) -> None:
     flags = _help_flags(script)
     assert "--trainer.precision" in flags  # the help was read
-    for check in gpu_check.checks(gpu_check.Context("cuda", 2, 1, tmp_path, ["auto"])):
+    for check in _plan(tmp_path, gpus=2):
         if check.command and check.command[1] == script:
             unknown = [a for a in check.command if a.startswith("--") and a not in flags]
             assert not unknown, (check.name, unknown)
@@ -215,11 +358,12 @@ def test_every_recipe_flag_exists_in_the_recipes_help(script: str, tmp_path: Pat
 @pytest.mark.slow
 def test_the_recipe_and_pytest_checks_run_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    status = gpu_check.main(["--device", "cpu", "--only", "recipes", "pytest", "--extra", "--budget", "1500",
-                             "--out", str(out)])
-    rows = _rows(out)
+    status = gpu_check.main(["--device", "cpu", "--extended", "--match", "^recipes/(cifar100|lm)|^pytest",
+                             "--budget", "3000", "--out", str(out)])
+    rows = {r["check"]: r for r in results.load(out)["rows"]}
     assert status == 0, rows
-    for name in ("recipes/cifar100.py 16-mixed", "recipes/lm.py bf16-mixed", "recipes/lm.py bf16-mixed compiled"):
+    for name in ("recipes/cifar100.py 16-mixed, 1 step", "recipes/lm.py bf16-mixed, 1 step",
+                 "recipes/lm.py bf16-mixed compiled, 6 steps"):
         assert rows[name]["status"] == "PASS", rows[name]
     assert rows["pytest -m cuda"]["status"] == "SKIP"  # every CUDA test skips here
 
