@@ -2,17 +2,20 @@
 published figures) and our bar, judged on the speed rows.
 
 ``results.json`` (every figure) and ``results.md`` (one table rendered from it, the anchors and
-the bar under it) are in the output folder, both rewritten whole after
-every row through a temporary file and ``os.replace`` (atomic): a run cut off at any point
-leaves two readable files holding every row it finished (the JSON first: the Markdown may lag
-it by the one row being written when the run was killed)."""
+the bar under it) in the output folder are both rewritten whole after every row by the sweeps'
+``write_atomic`` (a temporary file, fsync, ``os.replace``): a run cut off at any point leaves two
+readable files holding every row it finished (the JSON first: the Markdown may lag it by the
+one row being written when the run was killed)."""
 
 from __future__ import annotations
 
 import json
-import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from recipes.sweeps.records import write_atomic  # noqa: E402 - the sweeps' atomic write (no torch)
 
 __all__ = ["ANCHORS", "BAR_CASES", "COLUMNS", "add_row", "anchors_for", "bar", "load", "markdown", "met_text",
            "start", "update"]
@@ -42,19 +45,13 @@ COLUMNS = [("group", "group"), ("check", "check"), ("status", "status"), ("secon
            ("bwd_vs_liger", "bwd x Liger"), ("bwd_vs_torch", "bwd x nn.RMSNorm"), ("result", "result")]
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def load(out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
 def _save(out: Path, data: dict) -> None:
-    _write(out / "results.json", json.dumps(data, indent=1))
-    _write(out / "results.md", markdown(data))
+    write_atomic(out / "results.json", json.dumps(data, indent=1))
+    write_atomic(out / "results.md", markdown(data))
 
 
 def start(out: Path, meta: dict) -> None:
