@@ -40,6 +40,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -220,9 +221,11 @@ def preflight(device: str) -> dict[str, str]:
     """What is missing here, a line each, keyed as :attr:`Check.needs` names them. Cheap on
     purpose (no import of triton or Liger): these lines come within seconds of the start."""
     missing = {}
+    skipped = "the speed rows and the Triton op rows are SKIP rows"
     if importlib.util.find_spec("triton") is None:
-        missing["triton"] = ("missing: triton - the speed rows and the Triton op rows are SKIP rows "
-                             "(it comes with torch's CUDA wheels; pip install triton)")
+        missing["triton"] = f"missing: triton - {skipped} (it comes with torch's CUDA wheels; pip install triton)"
+    elif not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # as triton's build looks
+        missing["triton"] = f"missing: a C compiler (gcc, clang or $CC), which Triton builds its launcher with - {skipped}"
     if importlib.util.find_spec("liger_kernel") is None:
         missing["liger"] = ("missing: liger-kernel - the speed rows' 'x Liger' columns stay empty and the bar's "
                             "'backward >= 1.0x Liger' is unknown (pip install liger-kernel)")

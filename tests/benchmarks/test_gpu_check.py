@@ -116,6 +116,17 @@ def test_what_is_missing_is_one_line_each_and_its_checks_are_skip_rows(tmp_path:
     assert [r["result"] for r in rows] == [missing["triton"], missing["bf16"], missing["triton"], missing["bf16"]]
 
 
+def test_a_machine_without_a_c_compiler_cannot_run_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    line = gpu_check.preflight("cpu")["triton"]
+    assert line.startswith("missing: a C compiler") and "Triton" in line
+    monkeypatch.setenv("CC", "/usr/bin/cc")  # triton's own build takes $CC first
+    assert "triton" not in gpu_check.preflight("cpu")
+
+
 def test_the_missing_lines_come_first_without_importing_triton_liger_or_the_package() -> None:
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; gpu_check.preflight('cpu'); "
             "print([m for m in ('triton', 'liger_kernel', 'lightning', 'lightning_mrs') if m in sys.modules])")
