@@ -53,7 +53,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check_results as results  # noqa: E402
-from gpu_check_recipes import ALL_FLAGS, kill_active, last_error, pytest_check, recipe_check, recipe_command  # noqa: E402
+from gpu_check_recipes import (ALL_FLAGS, kill_active, last_error, pytest_check, recipe_check,  # noqa: E402
+                               recipe_command)
 from gpu_check_recipes import run_command as _run_command  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +63,7 @@ BUDGET_S = 450.0  # the default --budget: the whole run, core and --extended
 WORKER_START_S = 20.0  # a worker's start: torch, triton, lightning_mrs, the CUDA context
 CPU_SLACK = 6.0  # the CPU self-test's commands take this many times a GPU's estimate (timeouts only)
 CRASH_ENV = "GPU_CHECK_SELFTEST_CRASH"  # a check's "group/name": it kills its worker (the self-test)
+RESTART = 75  # a worker's exit status after a CUDA error (a poisoned context): the rest in a fresh one
 Result = tuple[str, str, dict]  # (status, result text, figures)
 
 
@@ -94,7 +96,8 @@ def _copy_check(ctx: Context) -> Result:
     import gpu_check_speed as speed
 
     ctx.copy_bw = speed.copy_bandwidth(ctx.device, nbytes=(1 << 28) // ctx.scale)
-    return "INFO", f"device copy {ctx.copy_bw / 1e9:.3g} GB/s ({256 / ctx.scale:g} MiB)", {"copy_gbs": ctx.copy_bw / 1e9}
+    text = f"device copy {ctx.copy_bw / 1e9:.3g} GB/s ({256 / ctx.scale:g} MiB)"
+    return "INFO", text, {"copy_gbs": ctx.copy_bw / 1e9}
 
 
 def _speed_check(index: int) -> Callable[[Context], Result]:
@@ -122,19 +125,9 @@ def _decode_check(channels: int) -> Callable[[Context], Result]:
             text += (f"; in a CUDA graph: MRSNorm {t['mrs_graph_ms'] * 1e3:.2f} us, "
                      f"nn.RMSNorm {t['rms_graph_ms'] * 1e3:.2f} us")
         failed = ctx.device.startswith("cuda") and t["mrs_graph_ms"] is None  # ours not capturable
-        return ("FAIL" if failed else "INFO"), "; ".join([text, *notes]), {"fwd_vs_torch": t["rms_ms"] / t["mrs_ms"], **t}
+        figures = {"fwd_vs_torch": t["rms_ms"] / t["mrs_ms"], **t}
+        return ("FAIL" if failed else "INFO"), "; ".join([text, *notes]), figures
     return run
-
-
-def _outcome(out: object, n: int) -> Result:
-    ran = n - len(out.refused) - len(out.failed)  # type: ignore[attr-defined]
-    text = f"{ran}/{n} layouts within tolerance, worst error {out.worst:.2f} x tolerance"  # type: ignore[attr-defined]
-    if out.refused:  # type: ignore[attr-defined]
-        text += f"; refused as documented: {', '.join(out.refused)}"  # type: ignore[attr-defined]
-    if out.failed:  # type: ignore[attr-defined]
-        text += "; FAILED " + " | ".join(out.failed)  # type: ignore[attr-defined]
-    return ("PASS" if out.ok else "FAIL"), text, {"worst": out.worst, "failed": out.failed,  # type: ignore[attr-defined]
-                                                   "refused": out.refused}  # type: ignore[attr-defined]
 
 
 def _ops_check(backend: str, dtype: torch.dtype, compiled: bool = False) -> Callable[[Context], Result]:
@@ -147,8 +140,8 @@ def _ops_check(backend: str, dtype: torch.dtype, compiled: bool = False) -> Call
             return (backend == "triton" and ops.LAYOUTS[layout][2]) or (ctx.device == "cpu" and backend != "auto")
 
         layouts = ["tokens", "nchw_per_sample", "nhwc_per_position"] if compiled else list(ops.LAYOUTS)
-        return _outcome(ops.check_backend_dtype(backend, dtype, ctx.device, expected_refusal, layouts, compiled),
-                        len(layouts))
+        outcome = ops.check_backend_dtype(backend, dtype, ctx.device, expected_refusal, layouts, compiled)
+        return outcome.row(len(layouts))
     return run
 
 
@@ -181,8 +174,8 @@ def checks(ctx: Context) -> list[Check]:
     kernel = "triton" if cuda else "cpp"  # the hand-written kernels of the device
     out += [Check("ops", f"{kernel} {name}", 25, _ops_check(kernel, dtype), needs=needs(kernel, dtype=name))
             for name, dtype in DTYPES.items()]
-    out += [Check("ops", "auto bfloat16", 30, _ops_check("auto", torch.bfloat16), extended=True, needs=needs(dtype="bfloat16")),
-            Check("ops", "eager bfloat16", 5, _ops_check("eager", torch.bfloat16), extended=True, needs=needs(dtype="bfloat16"))]
+    out += [Check("ops", f"{backend} bfloat16", seconds, _ops_check(backend, torch.bfloat16), extended=True,
+                  needs=needs(dtype="bfloat16")) for backend, seconds in (("auto", 30), ("eager", 5))]
     out += [Check("ops", f"half gradient to one ulp {name}", 10, _half_check(DTYPES[name]), extended=True,
                   needs=needs(dtype=name)) for name in ("bfloat16", "float16")]
     out.append(Check("ops", "torch.compile bfloat16", 15, _ops_check("auto", torch.bfloat16, compiled=True),
@@ -225,7 +218,7 @@ def preflight(device: str) -> dict[str, str]:
     if importlib.util.find_spec("triton") is None:
         missing["triton"] = f"missing: triton - {skipped} (it comes with torch's CUDA wheels; pip install triton)"
     elif not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):  # as triton's build looks
-        missing["triton"] = f"missing: a C compiler (gcc, clang or $CC), which Triton builds its launcher with - {skipped}"
+        missing["triton"] = f"missing: a C compiler (gcc, clang or $CC), Triton builds its launcher with one - {skipped}"
     if importlib.util.find_spec("liger_kernel") is None:
         missing["liger"] = ("missing: liger-kernel - the speed rows' 'x Liger' columns stay empty and the bar's "
                             "'backward >= 1.0x Liger' is unknown (pip install liger-kernel)")
@@ -253,7 +246,8 @@ def report(out: Path, index: int, check: Check, status: str, seconds: float, res
 
 
 def run_worker(ctx: Context, indices: list[int]) -> int:
-    """Run ``checks(ctx)[i]`` for ``indices`` in order (a worker subprocess), a row each."""
+    """Run ``checks(ctx)[i]`` for ``indices`` in order (a worker subprocess), a row each; after a
+    CUDA error (an illegal memory access leaves the context unusable) stop with :data:`RESTART`."""
     every = checks(ctx)
     crash = os.environ.get(CRASH_ENV, "")
 
@@ -267,11 +261,15 @@ def run_worker(ctx: Context, indices: list[int]) -> int:
         if crash == f"{check.group}/{check.name}":
             os._exit(134)  # the self-test of a worker that dies (as on an illegal memory access)
         t0 = time.perf_counter()
+        poisoned = False
         try:
             status, result, figures = check.run(ctx)
         except Exception as err:  # a broken check is one failed row, not the end of the run
             status, result, figures = "FAIL", f"{type(err).__name__}: {str(err)[:300]}", {}
+            poisoned = ctx.device.startswith("cuda") and "CUDA error" in str(err)
         report(ctx.out, i, check, status, time.perf_counter() - t0, result, figures)
+        if poisoned:
+            return RESTART
     return 0
 
 
@@ -317,7 +315,7 @@ def run_checks(args: argparse.Namespace, every: list[Check], indices: list[int],
         done = {r["index"] for r in results.load(out)["rows"]}
         rest = [j for j in batch if j not in done]
         pending = [j for j in pending if j not in batch or j in rest]
-        if rest:  # the worker stopped before the end of its batch: its check is a FAIL row
+        if rest and status != RESTART:  # the worker stopped in the middle of a check: a FAIL row
             why = (f"timed out: the worker was stopped after {time.perf_counter() - t0:.0f} s" if status == 124
                    else f"the worker died (exit {status}): {last_error(text)}")
             report(out, rest[0], every[rest[0]], "FAIL", time.perf_counter() - t0, why)
@@ -326,7 +324,8 @@ def run_checks(args: argparse.Namespace, every: list[Check], indices: list[int],
 
 def select(every: list[Check], extended: bool, match: Optional[str] = None) -> list[int]:
     """The indices of the checks a run makes, in order (the core first)."""
-    return [i for i, c in enumerate(every) if (extended or not c.extended) and (match is None or re.search(match, c.name))]
+    return [i for i, c in enumerate(every)
+            if (extended or not c.extended) and (match is None or re.search(match, c.name))]
 
 
 def _versions() -> str:
@@ -352,7 +351,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extended", action="store_true",
                    help="after a core without a FAIL row, the rest (ulp, compile, longer recipes, pytest -m cuda)")
     p.add_argument("--budget", type=float, default=BUDGET_S,
-                   help=f"seconds for the whole run (default {BUDGET_S:.0f}); a check that no longer fits is a SKIP row")
+                   help=f"seconds for the whole run (default {BUDGET_S:.0f}); a check that no longer fits: a SKIP row")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (the harness's self-test)")
     p.add_argument("--out", default=None, help="the output folder (default gpu_check_out/<date-time>)")
     p.add_argument("--match", default=None, help="only the checks whose name matches this regular expression")

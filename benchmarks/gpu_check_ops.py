@@ -109,6 +109,17 @@ class Outcome:
     def ok(self) -> bool:
         return not self.failed
 
+    def row(self, n: int) -> tuple[str, str, dict]:
+        """``(status, result, figures)``: the row of the check over ``n`` layouts."""
+        ran = n - len(self.refused) - len(self.failed)
+        text = f"{ran}/{n} layouts within tolerance, worst error {self.worst:.2f} x tolerance"
+        if self.refused:
+            text += f"; refused as documented: {', '.join(self.refused)}"
+        if self.failed:
+            text += "; FAILED " + " | ".join(self.failed)
+        figures = {"worst": self.worst, "failed": self.failed, "refused": self.refused}
+        return ("PASS" if self.ok else "FAIL"), text, figures
+
 
 def check_backend_dtype(backend: str, dtype: torch.dtype, device: str,
                         expected_refusal: Callable[[str], bool], layouts: Optional[list[str]] = None,

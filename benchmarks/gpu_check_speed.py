@@ -129,10 +129,11 @@ class SpeedRow:
         """The row's columns of the result file (GB/s, shares, ratios) and the raw figures."""
         fwd_bw, bwd_bw = 2 * self.nbytes / (self.ours_fwd * 1e-3), 3 * self.nbytes / (self.ours_bwd * 1e-3)
         share = (lambda bw: bw / self.copy_bw if self.copy_bw else None)
-        return {"fwd_gbs": fwd_bw / 1e9, "fwd_copy": share(fwd_bw), "fwd_vs_liger": _ratio(self.liger_fwd, self.ours_fwd),
-                "fwd_vs_torch": _ratio(self.rms_fwd, self.mrs_fwd),
-                "bwd_gbs": bwd_bw / 1e9, "bwd_copy": share(bwd_bw), "bwd_vs_liger": _ratio(self.liger_bwd, self.ours_bwd),
-                "bwd_vs_torch": _ratio(self.rms_bwd, self.mrs_bwd), "raw": asdict(self)}
+        return {"fwd_gbs": fwd_bw / 1e9, "fwd_copy": share(fwd_bw),
+                "fwd_vs_liger": _ratio(self.liger_fwd, self.ours_fwd), "fwd_vs_torch": _ratio(self.rms_fwd, self.mrs_fwd),
+                "bwd_gbs": bwd_bw / 1e9, "bwd_copy": share(bwd_bw),
+                "bwd_vs_liger": _ratio(self.liger_bwd, self.ours_bwd), "bwd_vs_torch": _ratio(self.rms_bwd, self.mrs_bwd),
+                "raw": asdict(self)}
 
     def summary(self) -> str:
         parts = [f"kernels fwd {self.ours_fwd:.4f} ms, bwd {self.ours_bwd:.4f} ms"]

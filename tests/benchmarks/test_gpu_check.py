@@ -286,6 +286,36 @@ def test_a_worker_stopped_or_killed_leaves_a_fail_row(tmp_path: Path, monkeypatc
     assert [c[c.index("--indices") + 1] for c in calls] == ["0,1,2", "1,2", "2"]
 
 
+def test_after_a_cuda_error_the_rest_runs_in_a_fresh_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    results.start(out, {})
+
+    def illegal_access(ctx: gpu_check.Context) -> tuple[str, str, dict]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    every = [gpu_check.Check("ops", "bad", 1, illegal_access),
+             gpu_check.Check("ops", "next", 1, lambda ctx: ("PASS", "", {}))]
+    monkeypatch.setattr(gpu_check, "checks", lambda ctx: every)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the worker's SIGTERM handler: not in pytest
+    # the worker: the failing check's row, then it stops (its context is poisoned) before "next"
+    assert gpu_check.run_worker(gpu_check.Context("cuda", 1, 1, out), [0, 1]) == gpu_check.RESTART
+    assert [(r["check"], r["status"]) for r in results.load(out)["rows"]] == [("bad", "FAIL")]
+    # the parent: no FAIL row for "next" (it never started), which runs in a fresh worker
+    calls = []
+
+    def fake(cmd: list[str], timeout: float, live: bool = False) -> tuple[int, str]:
+        indices = [int(i) for i in cmd[cmd.index("--indices") + 1].split(",")]
+        calls.append(indices)
+        return gpu_check.run_worker(gpu_check.Context("cuda", 1, 1, out), indices), ""
+
+    results.start(out, {})
+    monkeypatch.setattr(gpu_check, "_run_command", fake)
+    args = gpu_check._parser().parse_args(["--out", str(out)])
+    gpu_check.run_checks(args, every, [0, 1], {}, 1, time.perf_counter() + 100)
+    assert calls == [[0, 1], [1]]
+    assert [(r["check"], r["status"]) for r in results.load(out)["rows"]] == [("bad", "FAIL"), ("next", "PASS")]
+
+
 def test_a_wrong_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch) -> None:
     real = gpu_check_ops.mrs_norm
 
@@ -295,7 +325,7 @@ def test_a_wrong_kernel_fails_its_check(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(gpu_check_ops, "mrs_norm", off_by_a_percent)
     out = gpu_check_ops.check_backend_dtype("auto", torch.float32, "cpu", lambda layout: False)
     assert not out.ok and len(out.failed) == len(gpu_check_ops.LAYOUTS) and out.worst > 100
-    assert gpu_check._outcome(out, len(gpu_check_ops.LAYOUTS))[0] == "FAIL"
+    assert out.row(len(gpu_check_ops.LAYOUTS))[0] == "FAIL"
 
 
 def test_the_half_gradient_check_catches_a_backward_missing_its_second_term(monkeypatch: pytest.MonkeyPatch) -> None:
