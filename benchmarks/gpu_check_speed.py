@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from gpu_check_results import anchors_for
 from lightning_mrs import MRSNorm
+from lightning_mrs.ops import which_backend
 from lightning_mrs.ops.dispatch import get_backend
 from lightning_mrs.ops.layout import Layout
 
@@ -247,4 +248,4 @@ def decode_case(channels: int, device: str) -> tuple[dict, list[str]]:
                 notes.append(f"{name}: CUDA graph capture failed: {type(err).__name__}: {str(err)[:120]}")
     if not device.startswith("cuda"):
         notes.append("CUDA graphs: CUDA only")
-    return out, notes
+    return out, [f"MRSNorm ran the {which_backend(x)} backend", *notes]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_mrs.ops
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -158,6 +159,8 @@ def test_the_result_file_is_written_row_by_row_and_reads_back(tmp_path: Path, ca
     assert tokens["bwd_vs_torch"] == pytest.approx(raw["rms_bwd"] / raw["mrs_bwd"])
     assert tokens["fwd_vs_liger"] is None and "backward floor near 0.3 ms" in tokens["result"]
     assert decode["fwd_vs_torch"] == pytest.approx(decode["rms_ms"] / decode["mrs_ms"])
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    assert f"MRSNorm ran the {lightning_mrs.ops.which_backend(x)} backend" in decode["result"]
     # the Markdown table is the same rows, the figures rounded
     md = (out / "results.md").read_text()
     table = _table(md)
