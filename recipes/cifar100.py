@@ -66,7 +66,8 @@ from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.common.interrupt import SaveOnInterrupt, run_resumable
 from recipes.vision.models import check_input_size
 from recipes.vision.resume import StepSeed
-from recipes.common.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
+from recipes.common.training import (ValidateAtEnd, build_quietly, check_nodes, cpu_fp16, default_precision,
+                                     note_processes)
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
 
@@ -102,6 +103,7 @@ class CifarCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
+        check_nodes(config.trainer.num_nodes, config.trainer.plugins)
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and not os.path.isfile(ckpt_path):
             raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "

@@ -90,8 +90,8 @@ from recipes.text.export import ExportHF
 from recipes.common.interrupt import SaveOnInterrupt, run_resumable
 from recipes.text.pretrained import check_vocab
 from recipes.text.data import TextDataModule
-from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
-                                     note_processes)
+from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, check_nodes, cpu_fp16,
+                                     default_precision, note_processes)
 
 __all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
            "cpu_fp16", "main", "run"]
@@ -199,6 +199,7 @@ class LMCLI(LightningCLI):
         trainer = config.trainer
         if trainer.precision is None:
             trainer.precision = default_precision(trainer.accelerator)
+        check_nodes(trainer.num_nodes, trainer.plugins)
         if trainer.max_steps is None or trainer.max_steps <= 0:
             raise UsageError(f"--trainer.max_steps must be > 0, got {trainer.max_steps}: the training windows are an "
                              "endless random stream, so the run's length is its number of steps.")

@@ -26,12 +26,12 @@ from pathlib import Path
 
 from helpers.ddp import free_port
 
-__all__ = ["LAUNCHERS", "NodeResult", "node_commands", "run_nodes", "single_node"]
+__all__ = ["LAUNCHERS", "LAUNCH_VARIABLES", "NodeResult", "node_commands", "run_nodes", "single_node"]
 
 LAUNCHERS = ("torchrun", "lightning", "slurm")
 
-#: variables a launcher sets; cleared from the test's own environment so that only the node's count
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+#: variables a launcher sets (and SLURM_*): cleared from the test's own environment, only the node's count
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                      "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
 
 #: the job id of the simulated SLURM job (the run's version directory: ``version_<job id>``)
@@ -47,7 +47,7 @@ class NodeResult:
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES and not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 

@@ -10,12 +10,17 @@ algorithm depends on the world size and the ranks, not on how the ranks are grou
 Each run also writes the same files as the one-node run (one version directory, one ``last.ckpt``, one
 export): the two "nodes" share the root folder, as nodes on a shared file system do, and a second node
 writing its own copy, a clash of names or a file outside the root would show here.
+
+``--trainer.num_nodes 2`` in a command that no launcher started waits for the other node forever (Ctrl-C
+too): it is one error line instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,9 +29,9 @@ import torch
 
 from helpers import ROOT
 from helpers.lm import TINY_CONFIG
-from helpers.nodes import LAUNCHERS, SLURM_JOB_ID, node_commands, run_nodes, single_node
-
-pytestmark = pytest.mark.slow  # each job is two processes of ~8 s of imports and start-up on 2 cores
+from helpers.nodes import LAUNCH_VARIABLES, LAUNCHERS, SLURM_JOB_ID, node_commands, run_nodes, single_node
+from recipes.common.errors import UsageError
+from recipes.common.training import check_nodes
 
 TIMEOUT = 300  # seconds, per job (all its nodes)
 
@@ -95,6 +100,7 @@ def one_node(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return get
 
 
+@pytest.mark.slow  # each job is two processes of ~8 s of imports and start-up (30-140 s a case on 2 busy cores)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("recipe", ["cifar100", "lm"])
 def test_two_nodes_end_with_the_one_node_weights(recipe: str, launcher: str, tmp_path: Path,
@@ -118,3 +124,47 @@ def test_two_nodes_end_with_the_one_node_weights(recipe: str, launcher: str, tmp
     assert two["global_step"] == one["global_step"] == 3
     _assert_equal(two["state_dict"], one["state_dict"], "state_dict")
     _assert_equal(two["optimizer_states"], one["optimizer_states"], "optimizer_states")
+
+
+@pytest.fixture
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a plain command: none of the variables a launcher sets."""
+    for name in [*LAUNCH_VARIABLES, *(k for k in os.environ if k.startswith(("SLURM_", "LSB_", "OMPI_", "PMI_")))]:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("recipe", ["cifar100", "lm"])
+def test_more_nodes_in_a_plain_command_is_one_line(recipe: str, no_launcher: None, monkeypatch: pytest.MonkeyPatch,
+                                                   recipe_error: Callable[[list[str]], str],
+                                                   lm_error: Callable[[list[str]], str]) -> None:
+    from recipes.cifar100 import build_cli as cifar_cli
+    from recipes.lm import build_cli as lm_cli
+
+    monkeypatch.setattr(sys, "argv", [f"{recipe}.py"])
+    args = [*ARGS[recipe], "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    with pytest.raises(UsageError):  # before any fit: Lightning would wait for node 1 at the first step
+        (cifar_cli if recipe == "cifar100" else lm_cli)(args)
+    line = (recipe_error if recipe == "cifar100" else lm_error)(args)
+    assert line.startswith("error: --trainer.num_nodes 2: nothing started this process as one of 2 nodes, so it "
+                           "would wait for the others forever; run the command on each node under torchrun "
+                           "(--nnodes 2 --node_rank R --master_addr HOST ...), srun (SLURM), or with MASTER_ADDR, "
+                           "MASTER_PORT and NODE_RANK set"), line
+
+
+@pytest.mark.parametrize("launched_by", ["torchrun", "lightning", "slurm"])
+def test_more_nodes_under_a_launcher_pass_the_check(launched_by: str, no_launcher: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    (cmd, env), _ = node_commands(launched_by, Path("train.py"), [])
+    if launched_by == "torchrun":  # what torchrun sets in its worker (the command above is torchrun itself)
+        env.update(RANK="0", GROUP_RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHELASTIC_RUN_ID="none")
+    for name, value in env.items():
+        if name not in os.environ or os.environ[name] != value:
+            monkeypatch.setenv(name, value)
+    check_nodes(2)
+    for name in [*LAUNCH_VARIABLES, *(k for k in os.environ if k.startswith("SLURM_"))]:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match="--trainer.num_nodes 2: nothing started"):
+        check_nodes(2)
+    check_nodes(1)
+    check_nodes(2, plugins=["my.ClusterEnvironment"])  # the user's own environment: Lightning decides
