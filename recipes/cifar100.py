@@ -12,9 +12,10 @@ Run from the repository root (no subcommand: the script fits, validating every e
     # any flag: --model.arch/norm/lr, --data.dataset (cifar100, digits, folder, synthetic)/root/batch_size ...
     python recipes/cifar100.py --help
 
-Multi-node: launch one process per GPU with ``torchrun --nnodes N --nproc-per-node G
-recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLURM with
-``srun`` (``--ntasks-per-node G``); Lightning picks the environment up and runs DDP.
+Several machines: one process per GPU, on node R of N ``torchrun --nnodes N --node_rank R --nproc_per_node G
+--master_addr HOST --master_port PORT recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...``, or
+under SLURM ``srun python recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...``
+(``--ntasks-per-node G``); Lightning picks the environment up and runs DDP (docs/recipes.md#several-machines).
 
 Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
 AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.common.optim`),

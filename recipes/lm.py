@@ -10,6 +10,9 @@ Run from the repository root (no subcommand: the script fits, validating every
         --data.dataset text --data.path my_corpus/
     # MRS QK-norms, true fp16 mixed precision (with a loss scaler, also on the CPU), 4 GPUs (DDP)
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
+    # 2 machines of 4 GPUs: on node R (0, 1), or `srun python recipes/lm.py ...` (docs/recipes.md#several-machines)
+    torchrun --nnodes 2 --node_rank R --nproc_per_node 4 --master_addr HOST --master_port 29500 recipes/lm.py \\
+        --trainer.num_nodes 2 --trainer.devices 4
     # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
     python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
     # torch.compile each decoder layer (Inductor; MRSNorm keeps its own kernels inside the graphs)

@@ -159,7 +159,7 @@ def check_nodes(num_nodes: Any, plugins: Any = None) -> None:
     raise UsageError(f"--trainer.num_nodes {num_nodes}: nothing started this process as one of {num_nodes} nodes, so "
                      "it would wait for the others forever; run the command on each node under torchrun "
                      f"(--nnodes {num_nodes} --node_rank R --master_addr HOST ...), srun (SLURM), or with MASTER_ADDR, "
-                     "MASTER_PORT and NODE_RANK set (docs/recipes.md, 'Several machines').")
+                     "MASTER_PORT and NODE_RANK set (docs/recipes.md#several-machines).")
 
 
 def check_model_options(*, norm: str, norms: Sequence[str], qk_norm: str, schedule: str, warmup_frac: float,
