@@ -12,9 +12,10 @@ Run from the repository root (no subcommand: the script fits, validating every e
     # any flag: --model.arch/norm/lr, --data.dataset (cifar100, digits, folder, synthetic)/root/batch_size ...
     python recipes/cifar100.py --help
 
-Multi-node: launch one process per GPU with ``torchrun --nnodes N --nproc-per-node G
-recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...`` or under SLURM with
-``srun`` (``--ntasks-per-node G``); Lightning picks the environment up and runs DDP.
+Several machines: one process per GPU, on node R of N ``torchrun --nnodes N --node_rank R --nproc_per_node G
+--master_addr HOST --master_port PORT recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...``, or
+under SLURM ``srun python recipes/cifar100.py --trainer.num_nodes N --trainer.devices G ...``
+(``--ntasks-per-node G``); Lightning picks the environment up and runs DDP (docs/recipes.md#several-machines).
 
 Defaults: SGD (momentum 0.9, Nesterov, weight decay 5e-4) or, with ``--model.optimizer adamw``,
 AdamW (betas 0.9/0.999, lr 1e-3, weight decay 0.05 on weights only: :mod:`recipes.common.optim`),
@@ -66,7 +67,8 @@ from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.common.interrupt import SaveOnInterrupt, run_resumable
 from recipes.vision.models import check_input_size
 from recipes.vision.resume import StepSeed
-from recipes.common.training import ValidateAtEnd, build_quietly, cpu_fp16, default_precision, note_processes
+from recipes.common.training import (ValidateAtEnd, build_quietly, check_nodes, cpu_fp16, default_precision,
+                                     note_processes)
 
 __all__ = ["CifarCLI", "ImageClassifier", "ImageDataModule", "build_cli", "main", "run"]
 
@@ -102,6 +104,7 @@ class CifarCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.precision is None:
             config.trainer.precision = default_precision(config.trainer.accelerator)
+        check_nodes(config.trainer.num_nodes, config.trainer.plugins)
         ckpt_path = config.get("ckpt_path")
         if ckpt_path and not os.path.isfile(ckpt_path):
             raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "

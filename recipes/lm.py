@@ -10,6 +10,9 @@ Run from the repository root (no subcommand: the script fits, validating every
         --data.dataset text --data.path my_corpus/
     # MRS QK-norms, true fp16 mixed precision (with a loss scaler, also on the CPU), 4 GPUs (DDP)
     python recipes/lm.py --model.qk_norm mrs --trainer.precision 16-mixed --trainer.devices 4
+    # 2 machines of 4 GPUs: on node R (0, 1), or `srun python recipes/lm.py ...` (docs/recipes.md#several-machines)
+    torchrun --nnodes 2 --node_rank R --nproc_per_node 4 --master_addr HOST --master_port 29500 recipes/lm.py \\
+        --trainer.num_nodes 2 --trainer.devices 4
     # FSDP2 (torch's fully_shard per decoder layer; data-parallel over all the processes)
     python recipes/lm.py --trainer.strategy fsdp2 --trainer.devices 4
     # torch.compile each decoder layer (Inductor; MRSNorm keeps its own kernels inside the graphs)
@@ -90,8 +93,8 @@ from recipes.text.export import ExportHF
 from recipes.common.interrupt import SaveOnInterrupt, run_resumable
 from recipes.text.pretrained import check_vocab
 from recipes.text.data import TextDataModule
-from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
-                                     note_processes)
+from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, check_nodes, cpu_fp16,
+                                     default_precision, note_processes)
 
 __all__ = ["LM_SUMMARY", "MONITORS", "RESUME", "ByteLM", "FSDP2Strategy", "LMCLI", "TextDataModule", "build_cli",
            "cpu_fp16", "main", "run"]
@@ -199,6 +202,7 @@ class LMCLI(LightningCLI):
         trainer = config.trainer
         if trainer.precision is None:
             trainer.precision = default_precision(trainer.accelerator)
+        check_nodes(trainer.num_nodes, trainer.plugins)
         if trainer.max_steps is None or trainer.max_steps <= 0:
             raise UsageError(f"--trainer.max_steps must be > 0, got {trainer.max_steps}: the training windows are an "
                              "endless random stream, so the run's length is its number of steps.")

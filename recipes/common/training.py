@@ -23,7 +23,7 @@ from lightning_mrs.swap import SwapReport, iter_attention_layers
 from recipes.common.errors import UsageError, report
 
 __all__ = ["QK_NORM_CHOICES", "DtypeWatch", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
-           "check_model_options", "check_qk_norms", "cpu_fp16", "default_precision", "run_main"]
+           "check_model_options", "check_nodes", "check_qk_norms", "cpu_fp16", "default_precision", "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
 
@@ -136,6 +136,30 @@ def note_processes(given: Any) -> None:
         rank_zero_info(f"note: --trainer.devices {devices} on the CPU starts {devices} processes on {cores} cores: "
                        "they share the cores, so each step takes longer than with fewer processes (the global "
                        "batch stays per-device batch x processes).")
+
+
+def check_nodes(num_nodes: Any, plugins: Any = None) -> None:
+    """A usage error when ``--trainer.num_nodes`` is above 1 but nothing started this process as one of the
+    nodes: no launcher Lightning detects (torchrun, SLURM's ``srun``, LSF, MPI, in Lightning's order) and no
+    ``NODE_RANK`` of its own variables. Lightning would wait for the other nodes forever (Ctrl-C included);
+    ``plugins`` given may hold the user's own cluster environment, so they skip the check.
+
+    Example:
+        >>> check_nodes(1)  # one node: nothing to start
+    """
+    if not isinstance(num_nodes, int) or num_nodes <= 1 or plugins:
+        return
+    from lightning.fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
+                                                       TorchElasticEnvironment)
+
+    if any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment, MPIEnvironment)):
+        return
+    if "NODE_RANK" in os.environ or "GROUP_RANK" in os.environ:  # LightningEnvironment's node rank
+        return
+    raise UsageError(f"--trainer.num_nodes {num_nodes}: nothing started this process as one of {num_nodes} nodes, so "
+                     "it would wait for the others forever; run the command on each node under torchrun "
+                     f"(--nnodes {num_nodes} --node_rank R --master_addr HOST ...), srun (SLURM), or with MASTER_ADDR, "
+                     "MASTER_PORT and NODE_RANK set (docs/recipes.md#several-machines).")
 
 
 def check_model_options(*, norm: str, norms: Sequence[str], qk_norm: str, schedule: str, warmup_frac: float,
