@@ -90,11 +90,11 @@ def _raise_unreadable(path: Union[str, os.PathLike], zipped: bool, err: Exceptio
     """One error for a failed ``torch.load``: the file's fault (archive, pickle) named as such; a ``map_location``
     this machine cannot serve named as that; anything else (e.g. a class a trusted load cannot import) re-raised."""
     where = f"{owner}: {os.fspath(path)}"
-    reason = f"{type(err).__name__}: {str(err).split('. ')[0].strip()}"  # torch's first sentence
+    refused = _refused(err) if weights_only else None
+    reason = f"{type(err).__name__}: {refused or str(err).split('. ')[0].strip()}"  # torch's first sentence
     if isinstance(err, RuntimeError) and str(err).startswith("Attempting to deserialize object on"):
         raise ValueError(f"{where}: map_location={map_location!r} names a device this machine does not have "
                          f"({reason}); pass map_location='cpu' or one of its devices.") from None
-    refused = _refused(err) if weights_only else None
     if refused is not None and zipped:
         raise ValueError(
             f"{where} holds Python objects other than tensors and plain data ({refused}), which a safe load "
