@@ -90,6 +90,16 @@ def test_every_functional_norm_in_a_traced_graph_is_refused(call: str) -> None:
     swap_norms(gm, None)  # no target: the body's norms are kept, nothing to refuse
 
 
+def test_an_exported_programs_module_is_refused() -> None:
+    # torch.export's graph holds aten ops (aten.batch_norm.default, ...), the same norms as call nodes
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GroupNorm(2, 8), nn.Flatten(),
+                          nn.LayerNorm(8 * 6 * 6), nn.RMSNorm(8 * 6 * 6)).eval()
+    exported = torch.export.export(model, (torch.randn(2, 3, 8, 8),)).module()
+    with pytest.raises(ValueError, match=r"computes 4 norms as function calls, not layers \(1 batch_norm, 1 group_norm, "
+                                         r"1 layer_norm, 1 rms_norm\)"):
+        swap_norms(exported, "rms")
+
+
 def test_a_weight_standardisation_is_not_a_norm_layer() -> None:
     # timm's ScaledStdConv2d standardises its weight with F.batch_norm: not an activation's norm,
     # so the traced graph is swapped as the eager model is (no norm layer, a note, no error)
