@@ -9,12 +9,13 @@ unsharded model in one process (no process group).
 Files are read with ``torch.load(weights_only=True)``: tensors and plain data only, so a downloaded
 checkpoint cannot run code while it is read; readers of the record, the options or the weights pass
 ``mmap=True``, so the optimizer state stays on disk. Only an archive that is not whole (truncated,
-damaged) or a pickle that does not unpickle is called "truncated or corrupted" / "not a torch
-checkpoint file"; a ``map_location`` this machine lacks says so, and other errors stay torch's. NormSwap's record is plain data, and so is what
-Lightning writes (weights, loops, optimizer and callback states, ``hyper_parameters`` of plain
-values). A file that holds other Python objects (e.g. an OmegaConf ``hyper_parameters``, a custom
-class) is refused with a message naming it and the opt-in, ``weights_only=False``, which only a
-file from a trusted source should get: unpickling runs whatever code the file names.
+damaged) or a pickle that does not unpickle is called "truncated or corrupted" / "not a torch checkpoint
+file"; a ``map_location`` this machine lacks says so, and other errors stay torch's. NormSwap's record
+is plain data, and so is what Lightning writes (weights, loops, optimizer and callback states,
+``hyper_parameters`` of plain values). A file that holds other Python objects (e.g. an OmegaConf
+``hyper_parameters``, a custom class) is refused with a message naming it and the opt-in,
+``weights_only=False``, which only a file from a trusted source should get: unpickling runs whatever
+code the file names.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _raise_unreadable(path: Union[str, os.PathLike], zipped: bool, err: Exceptio
             f"source, pass {opt_in}, or allow those classes with torch.serialization.add_safe_globals([...])."
         ) from None
     if not zipped:  # torch read it as a bare pickle (its format before 1.6)
-        if isinstance(err, (*_UNPICKLING, ValueError, RuntimeError, MemoryError)):  # what junk makes the unpickler raise
+        if isinstance(err, (*_UNPICKLING, ValueError, RuntimeError, MemoryError)):  # what junk makes unpickling raise
             raise ValueError(f"{where} is not a torch checkpoint file ({reason}); pass the .ckpt file that Lightning "
                              "wrote.") from None
         raise err
