@@ -22,9 +22,10 @@ from torch import nn
 __all__ = ["norm_calls", "refuse_norm_calls"]
 
 #: the bare name of a function that computes a norm: torch's and aten's (``F.layer_norm``, ``torch.rms_norm``,
-#: ``aten.native_batch_norm``, ``_native_batch_norm_legit``), timm's fast_norm (``fast_layer_norm``,
-#: ``rms_norm2d``, ``simple_norm``) and this package's fx-wrapped forwards (``_mrs_norm_layer``, ``_rms_norm_2d``)
-_NORM_CALL = re.compile(r"^_*(?:native_|fast_)?(?:offset_)?(?:layer|group|batch|instance|rms|mrs|simple)_norm"
+#: ``aten.native_batch_norm``, ``_native_batch_norm_legit``, ``_fused_rms_norm``), timm's fast_norm
+#: (``fast_layer_norm``, ``rms_norm2d``, ``simple_norm``) and this package's fx-wrapped forwards
+#: (``_mrs_norm_layer``, ``_rms_norm_2d``)
+_NORM_CALL = re.compile(r"^_*(?:native_|fast_|fused_)?(?:offset_)?(?:layer|group|batch|instance|rms|mrs|simple)_norm"
                         r"(?:_?2d|_layer|_legit\w*)?$")
 
 
