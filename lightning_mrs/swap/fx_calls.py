@@ -30,9 +30,7 @@ _NORM_CALL = re.compile(r"^_*(?:native_|fast_|fused_)?(?:offset_)?(?:layer|group
 
 
 def _name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):  # aten.native_layer_norm.default
-        return target._opname
-    return getattr(target, "__name__", "")
+    return getattr(target, "__name__", "").split(".")[0]  # an aten op's is e.g. "native_layer_norm.default"
 
 
 def norm_calls(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
