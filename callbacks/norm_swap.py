@@ -392,6 +392,7 @@ def _checkpoint_spec(trainer: "pl.Trainer") -> Optional[dict[str, Any]]:
     if not path:
         return None
     try:
-        return find_record(read_metadata(path, "cpu"))  # weights_only=True: never code from the file
+        # weights_only=True: never code from the file; mmap: the record is read, the tensors stay on disk
+        return find_record(read_metadata(path, "cpu", mmap=True))
     except Exception:  # noqa: BLE001 - only a better error message is at stake
         return None

@@ -35,7 +35,7 @@ def restore(
     check_bool(_OWNER, "strict", strict)
     check_bool(_OWNER, "weights_only", weights_only)
     checkpoint = read_metadata(checkpoint_path, map_location, owner=_OWNER, weights_only=weights_only,
-                               opt_in=f"{_OWNER}(model, path, weights_only=False)")
+                               opt_in=f"{_OWNER}(model, path, weights_only=False)", mmap=True)  # no optimizer state
     spec = find_record(checkpoint)
     if spec is None:
         raise ValueError(

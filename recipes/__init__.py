@@ -6,7 +6,6 @@ sweeps), ``export_hf.py`` (an LM checkpoint as a Hugging Face directory), and ``
 What they are built from: ``vision/`` (the image classifier, its models and DataModules), ``text/`` (the
 causal LM module, its model, text and DataModule), ``common/`` (what both use: training helpers, checkpoints,
 interrupts, HParams, optimizers, usage errors), and ``sweeps/`` (the sweeps' runner, kinds, claims and cells).
-The module names from before this layout still import (:mod:`recipes.common.moved`).
 """
 
 import importlib.util
@@ -17,7 +16,3 @@ _NEEDS = ("lightning", "torchvision", "timm", "torchmetrics", "tensorboard", "js
 _MISSING = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
 if _MISSING:
     raise ImportError(f"the recipes need {', '.join(_MISSING)}: pip install -e '.[recipes]' (from the repository root)")
-
-from recipes.common.moved import install as _install_moved  # noqa: E402  (after the check of what is missing)
-
-_install_moved()

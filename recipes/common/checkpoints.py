@@ -76,13 +76,14 @@ def saved_options(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_resume_checkpoint(path: str) -> dict[str, Any]:
     """The checkpoint at ``path``: a ``.ckpt`` file, or the directory of shards ModelParallelStrategy writes
-    (its metadata, without the weights); an unreadable one is a usage error naming it."""
+    (its metadata, without the weights); an unreadable one is a usage error naming it. Memory-mapped: the
+    tensors (the optimizer state) stay in the file unless used; use the result, then drop it."""
     target = os.path.join(path, SHARD_METADATA) if os.path.isdir(path) else path
     if os.path.isdir(path) and not os.path.isfile(target):
         raise UsageError(f"--ckpt_path {path}: a directory without {SHARD_METADATA}, so not the checkpoint of a "
                          "sharded run; pass the .ckpt file (or directory) Lightning wrote.")
     try:
-        return read_checkpoint(target, "cpu", owner="--ckpt_path")
+        return read_checkpoint(target, "cpu", owner="--ckpt_path", mmap=True)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from None
 
@@ -166,7 +167,7 @@ def check_checkpoint(path: str, model: nn.Module, hparams: Any) -> None:
             weights' names or shapes differ from this run's model.
     """
     try:
-        checkpoint = read_checkpoint(path, "cpu", owner="--ckpt_path")
+        checkpoint = read_checkpoint(path, "cpu", owner="--ckpt_path", mmap=True)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from None
     where = f"--ckpt_path {os.fspath(path)}"

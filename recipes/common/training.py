@@ -7,8 +7,11 @@ data module and a LightningCLI subclass; everything else they have in common liv
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
+from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Sequence, TypeVar
 
 import lightning.pytorch as pl
@@ -23,7 +26,8 @@ from lightning_mrs.swap import SwapReport, iter_attention_layers
 from recipes.common.errors import UsageError, report
 
 __all__ = ["QK_NORM_CHOICES", "DtypeWatch", "OneLineParser", "StepProgressBar", "ValidateAtEnd", "build_quietly",
-           "check_model_options", "check_nodes", "check_qk_norms", "cpu_fp16", "default_precision", "run_main"]
+           "check_model_options", "check_nodes", "check_qk_norms", "cpu_fp16", "default_precision", "moved_class_path",
+           "run_main"]
 
 CLI = TypeVar("CLI", bound=LightningCLI)
 
@@ -38,7 +42,33 @@ class OneLineParser(LightningArgumentParser):
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
         if not self.exit_on_error:  # jsonargparse's nested parsers report to their parent
             super().error(message, ex)
-        raise UsageError(f"{message} (options: --help)")
+        raise UsageError(moved_class_path(message) or f"{message} (options: --help)")
+
+
+def _imports(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing too
+        return False
+
+
+def moved_class_path(message: str) -> Optional[str]:
+    """One line naming where a ``class_path: recipes.<module>.<Class>`` that no longer imports lives now.
+
+    A run's ``config.yaml`` written before ``recipes/`` was regrouped (issue 47) names e.g.
+    ``recipes.hparams.StepCSVLogger``; the class is looked up by name in the recipes' sources.
+    """
+    match = re.search(r"class_path '(recipes(?:\.\w+)*)\.(\w+)'", message)
+    if match is None or _imports(match[1]):
+        return None
+    root = Path(__file__).resolve().parents[1]  # recipes/
+    pattern = re.compile(rf"^class {match[2]}\b", re.MULTILINE)
+    found = [path for path in sorted(root.rglob("*.py")) if pattern.search(path.read_text(encoding="utf-8"))]
+    if not found:
+        return None
+    module = ".".join(found[0].relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+    return (f"class_path '{match[1]}.{match[2]}' names a module that recipes/ no longer has: {match[2]} is now "
+            f"{module}.{match[2]} (replace the old name, e.g. in the run's config.yaml)")
 
 
 class StepProgressBar(TQDMProgressBar):

@@ -206,7 +206,7 @@ def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
             "order only)" if pretrained else
             f"trained once per seed with its own RMSNorms: {args.base_steps} AdamW steps at peak lr {BASE_LR:g}, "
             f"{100 * BASE_WARMUP:g} % warm-up then cosine, the sweep's batch size and weight decay, cached "
-            "(recipes/sweeps/convert_cell.py)")  # as before recipes/sweeps/cells/convert.py: older --out resume
+            "(recipes/sweeps/cells/convert.py)")
     model = _pretrained_config(pretrained) if pretrained else {}  # the checkpoint's sizes, not the sweep's defaults
     return {**model, "sweep": args.sweep.name, "seq_len": args.seq_len, "val_windows": d["val_windows"],
             "base_model": base, "eval_steps": eval_steps(args.max_steps), "gradient_clip_val": 1.0,

@@ -180,9 +180,8 @@ def extra_settings(args: argparse.Namespace) -> dict[str, Any]:
             "scaler, 16-true, 32-true)",
             "monitors": f"outlier, homogeneity, attention ({ATTENTION_QUERIES} queries) every {args.log_every} "
                         "steps"} | ({} if args.sweep.name != "lm" else {
-                # the text as before the regrouping (now recipes/sweeps/claims/mechanism.py): older --out resume
                 "mechanism": f"the fp32 models at lr {MECHANISM_LR:g} evaluated in pure float16, channel {CHANNEL} "
-                             f"planted at 0, 2^4 .. 2^15 before every norm (recipes/sweeps/mechanism.py)"})
+                             f"planted at 0, 2^4 .. 2^15 before every norm (recipes/sweeps/claims/mechanism.py)"})
 
 
 def progress_note(record: Mapping[str, Any]) -> str:
