@@ -278,3 +278,27 @@ def test_llama_swapped_to_dyt_with_the_papers_llm_init_trains_a_step() -> None:
     opt.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n.endswith(".alpha"))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_a_dyt_gpt2_saves_and_loads_with_its_alphas(tmp_path) -> None:
+    """save_pretrained + lightning_mrs.from_pretrained rebuild the DyT layers (the config's record) and load
+    the trained alpha, weight and bias: the same logits."""
+    from helpers.hf import tiny_causal_lm, token_batch
+    from lightning_mrs import from_pretrained
+
+    model = tiny_causal_lm("gpt2")  # LayerNorm with a bias: DyT keeps it
+    swap_norms(model, "dyt", alpha0=0.3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".alpha"):
+                p.uniform_(0.1, 1.0)
+    tokens = token_batch()
+    with torch.no_grad():
+        expected = model(tokens).logits
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path)
+    layers = {n: (type(m), m.bias is not None) for n, m in loaded.named_modules() if isinstance(m, DyT)}
+    assert layers == {n: (type(m), m.bias is not None) for n, m in model.named_modules() if isinstance(m, DyT)}
+    assert len(layers) == 5
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, expected)
