@@ -302,3 +302,15 @@ def test_a_dyt_gpt2_saves_and_loads_with_its_alphas(tmp_path) -> None:
     assert len(layers) == 5
     with torch.no_grad():
         torch.testing.assert_close(loaded(tokens).logits, expected)
+
+
+def test_calibrate_fits_dyt_weights_to_the_old_norms() -> None:
+    """init="calibrate" fits w (DyT at unit weight is tanh(alpha x)) so each layer's output comes closer to the
+    old RMSNorm's on the same input than the inherited weights do (a random Llama's residual stream is small:
+    tanh(0.5 x) is far from rms-normalised)."""
+    from helpers.hf import tiny_causal_lm, token_batch
+
+    model = tiny_causal_lm("llama")
+    report = swap_norms(model, "dyt", init="calibrate", calibration=token_batch())
+    assert len(report.calibration) == 5
+    assert all(fitted < inherited for inherited, fitted in report.calibration.values()), report.calibration
