@@ -14,11 +14,10 @@ bounded by ``|w| + |b|`` whatever its input: the natural third answer, beside RM
 
 The initialisation is the paper's, taken from the official code (github.com/jiachenzhu/DyT):
 ``alpha = alpha0``, ``w = 1``, ``b = 0``, with ``alpha0 = 0.5`` by default (``dynamic_tanh.py``'s
-``alpha_init_value=0.5``, used for every non-LLM model of the paper). For LLaMA the paper tunes
-``alpha0`` by model width (its section on the initialisation of alpha, and
-``other_tasks/LLaMA/README.md``): a larger value for the DyT in front of attention
-(``attn_alpha_init_value``) than for the one in front of the FFN and the final one
-(``ffn_``/``dec_alpha_init_value``), see :data:`LLAMA_ALPHA0`. The official LLaMA layer has no bias
+``alpha_init_value=0.5``, the value of its non-LLM models). For LLaMA the official training
+commands (``other_tasks/LLaMA/README.md``) set ``alpha0`` per model size, falling as the model grows,
+larger for the DyT in front of attention (``attn_alpha_init_value``) than for the one in front of the
+FFN and the final one (``ffn_``/``dec_alpha_init_value``): :data:`LLAMA_ALPHA0`. The official LLaMA layer has no bias
 (``w * tanh(alpha * x)``, replacing RMSNorm), and so does a swapped layer whose source had none.
 The official LLaMA model also multiplies the embeddings by a learnable scalar initialised to
 ``sqrt(d_model)``; a norm swap does not add it.

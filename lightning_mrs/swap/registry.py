@@ -78,7 +78,7 @@ class NormSpec:
         channel_dim: ``1`` for channels-first ``(N, C, *spatial)``, ``-1`` for channels-last.
         spatial: channels-first only. ``True``: one statistic per sample over all positions
             (GroupNorm, InstanceNorm, ``MRSNorm2d(spatial=True)``); ``False``: one per
-            position (LayerNorm2d, RmsNorm2d); ``None``: batch statistics or channels-last.
+            position (LayerNorm2d, RmsNorm2d); ``None``: batch statistics, channels-last, or no statistic (DyT2d).
         fused_act: the layer applies its own ``drop`` then ``act`` submodules after the norm
             (timm ``BatchNormAct2d`` & co); a swap must keep them.
         unsupported: why no faithful per-channel replacement exists (EvoNorm, multi-dim
