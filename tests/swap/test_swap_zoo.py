@@ -55,6 +55,10 @@ def _first(out):
     return out[0]
 
 
+#: the layers a swap to these targets builds: their weights must get gradients
+NEW = {"mrs": ("MRSNorm", "MRSNorm2d"), "dyt": ("DyT", "DyT2d")}
+
+
 def check_zoo_model(model: nn.Module, size: int, target: str = "mrs", eager: bool = True) -> None:
     torch.manual_seed(0)
     with torch.no_grad():  # zero-initialised heads (timm Mixer) would zero every gradient
@@ -67,7 +71,7 @@ def check_zoo_model(model: nn.Module, size: int, target: str = "mrs", eager: boo
         shape = _first(model(x)).shape
     report = swap_norms(model, target)
     left = foreign_norms(model) - set(report.skipped)
-    if target == "mrs":
+    if target in ("mrs", "dyt"):  # nothing of torch/timm/torchvision is left (a "layer" swap keeps GroupNorm(1))
         assert not left, f"unconverted norms not in report.skipped: {sorted(left)[:5]}"
     if eager:
         for module in model.modules():
@@ -80,9 +84,9 @@ def check_zoo_model(model: nn.Module, size: int, target: str = "mrs", eager: boo
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     new_norm_grads = [
-        m.weight.grad for m in model.modules() if type(m).__name__ in ("MRSNorm", "MRSNorm2d") and m.weight is not None
+        m.weight.grad for m in model.modules() if type(m).__name__ in NEW.get(target, ()) and m.weight is not None
     ]
-    if target == "mrs" and report.converted:
+    if target in NEW and report.converted:
         assert any(g is not None and g.abs().sum() > 0 for g in new_norm_grads)
     again = swap_norms(model, target)
     assert again.converted == []
@@ -136,6 +140,20 @@ BASELINE_MODELS = {
 @pytest.mark.parametrize("name", list(BASELINE_MODELS))
 def test_baseline_targets_run(name, target):
     check_zoo_model(BASELINE_MODELS[name](), 64 if name == "test_vit" else 32, target)
+
+
+DYT_ZOO = [("tv", n, {}, s) for n, s in TV_DEFAULT] + [("timm", n, k, s) for n, k, s in TIMM_DEFAULT]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lib,name,kwargs,size", DYT_ZOO, ids=[f"{lib}-{n}-{'-'.join(k)}" for lib, n, k, _ in DYT_ZOO])
+def test_dyt_over_the_default_zoo(lib, name, kwargs, size):
+    """Every model of the default subsets swapped to DyT: nothing left but what the report skips (EvoNorm...)."""
+    if lib == "tv":
+        model = torchvision.models.get_model(name, weights=None, num_classes=10)
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    check_zoo_model(model, size, "dyt")
 
 
 def test_default_backend_in_the_zoo():
