@@ -59,7 +59,7 @@ attention logit; ``results.csv`` has the arm's factors (``norm``, ``precision``)
 Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``,
 ``runs/stress_lm_<dataset>``, ``runs/stress_lm_qk_<dataset>``):
 
-- ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record.
+- ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record (naming its worker).
   A rerun with the same ``--out`` skips these cells, so an interrupted sweep loses only the
   cells in progress.
 - ``results.csv`` (one row per cell), ``robustness.csv`` (LR sensitivity and the largest lr
@@ -77,11 +77,19 @@ Every cell's settings are checked before the first cell runs (the data once, eac
 a mistake is one ``error:`` line, exit status 2, and writes nothing. ``--quick`` runs one seed, so
 every claim of its report is inconclusive by construction; the report says so and gives the command
 that would give verdicts. Ctrl-C keeps the finished cells (exit status 130). While it runs, a sweep
-locks its shard of ``--out``: a second sweep into an overlapping shard refuses, naming the process
-that holds it (a lock left by a killed process is reported as stale and taken over).
+locks its ``--out``: a second sweep into it refuses, naming the process that holds it (a lock left by a killed
+process is reported as stale and taken over).
 
-Several GPUs or machines: run one sweep per device on disjoint shards of the same grid into the
-same ``--out``, e.g. ``CUDA_VISIBLE_DEVICES=1 python recipes/stress.py ... --shard 1/4``.
+Each cell is a task of a ``dask.distributed`` cluster; this process alone writes the records, as they arrive.
+By default the cluster is this machine's (``--jobs N`` worker processes; ``--jobs 1`` trains in this process);
+several machines (the ``[cluster]`` extra; the repository and ``--out`` on a shared filesystem):
+
+    # workers you started: dask scheduler; dask worker tcp://HOST:8786 --nthreads 1 (from the repository root,
+    # --resources GPU=1 per GPU: a worker process per GPU)
+    python recipes/stress.py --dataset cifar100 --scheduler tcp://HOST:8786
+    # SLURM jobs started for the sweep (dask-jobqueue): 4 jobs of 4 GPUs, one worker process per GPU
+    python recipes/stress.py --dataset cifar100 --slurm --slurm-partition gpu --slurm-gpus 4 --slurm-cpus 32 \
+        --slurm-time 04:00:00 --slurm-jobs 4
 """
 
 from __future__ import annotations

@@ -38,9 +38,8 @@ _RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fractio
                  (", or lower --data.seq_len.", "."))
 QUICK_NOTE = ("--quick runs one seed per cell, so every claim of its report is inconclusive by construction "
               "(a verdict needs at least 2 seeds of every cell a claim compares; the full grid runs 3)")
-LOCK_NOTE = ("A sweep holds a lock on its shard of --out while it runs: a second sweep into the same --out and an "
-             "overlapping shard refuses to start and names the other process; a lock left by a process that "
-             "died is reported as stale and taken over.")
+LOCK_NOTE = ("A sweep locks its --out while it runs: a second sweep into the same --out refuses to start and names "
+             "the other process; a lock left by a process that died is reported as stale and taken over.")
 
 
 def usable_cpus() -> int:
@@ -78,133 +77,177 @@ class _OneLineParser(argparse.ArgumentParser):
         sys.exit(report(UsageError(f"{message} (options: --help)")))
 
 
-def _parser(kinds: Mapping[str, Sweep], default: str) -> argparse.ArgumentParser:
+def _grouped(values: Mapping[str, str]) -> str:
+    """``{"a": "1", "b": "1", "c": "2"}`` -> ``a, b 1; c 2``: each value once, after the names that share it."""
+    names: dict[str, list[str]] = {}
+    for name, value in values.items():
+        names.setdefault(value, []).append(name)
+    return "; ".join(f"{', '.join(n)} {v}" for v, n in names.items())
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Lines broken between words only: an arm such as ``rms-half-fp16`` stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.ArgumentParser:
+    """The parser; the help states ``shown``'s defaults (``--sweep KIND --help``: that kind's)."""
     def per_kind(show: Callable[[Sweep], str]) -> str:
-        return "(default: " + "; ".join(f"--sweep {k.name}: {show(k)}" for k in kinds.values()) + ")"
+        return f"(default: {show(shown)})"
 
     def axis(key: str) -> Callable[[Sweep], str]:
         return lambda k: _list(k.grid[key]) + (f" (--quick: {_list(k.quick[key])})" if key in k.quick else "")
 
     def per_dataset(key: str, show: Callable[[Any], str] = repr) -> str:
-        def one(kind: Sweep) -> str:
-            def value(d: Mapping[str, Any]) -> str:
-                if key == "epochs" and d.get("max_steps"):
-                    return f"none (--max-steps {d['max_steps']})"
-                return "required" if d[key] is None and key == "epochs" else show(d[key])
+        def value(d: Mapping[str, Any]) -> str:
+            if key == "epochs" and d.get("max_steps"):
+                return f"none (--max-steps {d['max_steps']})"
+            return "required" if d[key] is None and key == "epochs" else show(d[key])
 
-            return "; ".join(f"{name} {value(d)}"
-                             for name, d in kind.datasets.items())
-
-        return "(default: per sweep and dataset: " + " | ".join(f"{k.name}: {one(k)}" for k in kinds.values()) + ")"
+        return "(default: " + _grouped({name: value(d) for name, d in shown.datasets.items()}) + ")"
 
     def where_set(key: str) -> str:  # a default only some kinds have, the same for each of their datasets
-        return "(default: " + "; ".join(f"--sweep {k.name} {k.datasets[k.default_dataset][key]}" for k in kinds.values()
-                                        if key in k.datasets.get(k.default_dataset, {})) + ")"
+        value = shown.datasets.get(shown.default_dataset, {}).get(key)
+        return f"(default: {value})" if value is not None else f"(default: none: not an option of --sweep {shown.name})"
 
     p = _OneLineParser(
-        description="A stress sweep (arms x learning rates x batch sizes x seeds) through recipes/cifar100.py's "
-                    "classifier, with computed verdicts on the claims: results.csv, robustness.csv, results.md and "
-                    "results.png in --out. " + " ".join(f"--sweep {k.help}." for k in kinds.values())
-                    + f" {QUICK_NOTE[0].upper()}{QUICK_NOTE[1:]}; rerun without --quick for verdicts. Every cell's "
-                    "settings are checked (data and model built once per distinct setting) before the first cell "
-                    "runs; a finished cell is kept and a rerun resumes. " + LOCK_NOTE,
+        formatter_class=_Formatter,
+        usage="%(prog)s [--sweep KIND] [ARMS] [--lrs LR ...] [--batch-sizes N ...] [--seeds N ...] [--dataset NAME] "
+              "[option ...] [--scheduler ADDRESS | --slurm ...] [--out DIR]",
+        description="A stress sweep (arms x learning rates x batch sizes x seeds) with computed verdicts: results.md, "
+                    ".csv and .png in --out. Every cell's settings are checked before the first cell runs; each cell "
+                    "is a task of a Dask cluster (this machine's by default); a finished cell is kept and a rerun "
+                    "resumes. " + QUICK_NOTE.split(" (")[0] + ". " + LOCK_NOTE + f" The defaults shown are --sweep "
+                    f"{shown.name}'s; --sweep KIND --help shows another kind's.",
     )
-    g = p.add_argument_group("grid")
-    g.add_argument("--sweep", choices=list(kinds), default=default,
+    g = p.add_argument_group("what to sweep")
+    g.add_argument("--sweep", choices=list(kinds), default=default, metavar="KIND",
                    help="; ".join(k.help for k in kinds.values()) + f" (default: {default})")
     for kind in kinds.values():
-        g.add_argument(kind.flag, nargs="+", choices=list(kind.arms),
-                       help=f"{kind.arms_help} (default: {_list(kind.grid['arms'])})")
-    g.add_argument("--lrs", nargs="+", type=float, help="peak learning rates " + per_kind(axis("lrs")))
-    g.add_argument("--batch-sizes", nargs="+", type=int, help=per_kind(axis("batch_sizes")))
-    g.add_argument("--seeds", nargs="+", type=int, help=per_kind(axis("seeds")))
+        arms = " ".join(a + "*" * (a in kind.grid["arms"]) for a in kind.arms) + " (default: the arms marked *)"
+        g.add_argument(kind.flag, nargs="+", choices=list(kind.arms), metavar="ARM",
+                       help=f"{kind.arms_help}: {arms}" if kind is shown else
+                       f"--sweep {kind.name}'s arms (default: listed by --sweep {kind.name} --help)")
+    g.add_argument("--lrs", nargs="+", type=float, metavar="LR", help="peak learning rates " + per_kind(axis("lrs")))
+    g.add_argument("--batch-sizes", nargs="+", type=int, metavar="N", help=per_kind(axis("batch_sizes")))
+    g.add_argument("--seeds", nargs="+", type=int, metavar="N", help=per_kind(axis("seeds")))
     g.add_argument("--quick", action="store_true",
                    help="a coarse look in a few minutes: the smaller grid and budget marked --quick, into its own "
-                        f"--out; {QUICK_NOTE} (default: off)")
+                        "--out; one seed, so no verdicts: rerun without --quick for verdicts (default: off)")
     b = p.add_argument_group("training")
     budget = b.add_mutually_exclusive_group()
-    quick_epochs = "; ".join(f"{k.name} {k.quick['epochs']['digits']}" for k in kinds.values()
-                             if "digits" in k.quick.get("epochs", {}))
-    budget.add_argument("--epochs", type=int, help="training epochs per cell " + per_dataset("epochs", str)[:-1]
-                        + f"; --quick on digits: {quick_epochs})")
-    budget.add_argument("--max-steps", type=int, help="optimizer steps per cell, instead of --epochs (default: unset; language-model sweeps: "
-                        + "; ".join(f"--sweep {k.name} {d['max_steps']}"
-                                    + (f" (--quick: {k.quick['max_steps'][n]})" if n in k.quick.get("max_steps", {})
-                                       else "") for k in kinds.values() for n, d in k.datasets.items()
-                                    if d.get("max_steps") and n == k.default_dataset) + ")")
-    b.add_argument("--warmup-frac", type=float,
-                   help="linear warm-up share of the steps; 0: the stress hits the peak lr at once "
-                        + per_kind(lambda k: f"{k.warmup_frac:g}"))
+    quick_epochs = shown.quick.get("epochs", {}).get("digits")
+    budget.add_argument("--epochs", type=int, metavar="N", help="training epochs per cell " + per_dataset("epochs", str)[:-1]
+                        + (f"; --quick on digits: {quick_epochs})" if quick_epochs else ")"))
+    steps = shown.datasets.get(shown.default_dataset, {}).get("max_steps")
+    quick_steps = shown.quick.get("max_steps", {}).get(shown.default_dataset)
+    budget.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps per cell, instead of --epochs "
+                        + (f"(default: {steps}" + (f"; --quick: {quick_steps})" if quick_steps else ")") if steps
+                           else "(default: unset)"))
+    b.add_argument("--warmup-frac", type=float, metavar="F", help="linear warm-up share of the steps; 0: the stress "
+                   "hits the peak lr at once " + per_kind(lambda k: f"{k.warmup_frac:g}"))
     b.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="lr schedule after the warm-up, stepped per optimizer step (default: cosine)")
-    b.add_argument("--weight-decay", type=float,
+    b.add_argument("--weight-decay", type=float, metavar="F",
                    help="weight decay " + per_kind(lambda k: f"{k.weight_decay:g} ({k.optimizer})"))
-    b.add_argument("--log-every", type=int, default=10,
+    b.add_argument("--log-every", type=int, default=10, metavar="N",
                    help="log and capture the monitors' statistics every N steps (default: 10)")
-    b.add_argument("--val-every", type=int, help="validate every N steps, always also at the end (default: every epoch)")
-    b.add_argument("--limit-val-batches", type=float, default=1.0,
+    b.add_argument("--val-every", type=int, metavar="N",
+                   help="validate every N steps, always also at the end (default: every epoch)")
+    b.add_argument("--limit-val-batches", type=float, default=1.0, metavar="F",
                    help="fraction (<= 1) or number (> 1) of validation batches (default: 1.0, all)")
     d = p.add_argument_group("data and model")
-    d.add_argument("--dataset", choices=list(DATASETS),
-                   help="digits: scikit-learn's bundled 8x8 handwritten digits (offline); folder: your images in "
-                        "--root (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/* with 20 %% of each class "
-                        "held out, split seed 0: the recipe's folder dataset); synthetic: the offline "
-                        "CIFAR-100-shaped stand-in; language-model sweeps: stdlib (the Python standard library's "
-                        "sources) or text (your UTF-8 text files in --path) "
+    d.add_argument("--dataset", choices=list(DATASETS), metavar="NAME",
+                   help="digits (scikit-learn's 8x8 scans, offline), cifar100, folder (your images in --root: "
+                        "DIR/train/<class>/*, DIR/val/<class>/*, or DIR/<class>/* split 80/20), synthetic (offline); "
+                        "language-model sweeps: stdlib (Python's own sources) or text (--path) "
                         + per_kind(lambda k: k.default_dataset))
-    d.add_argument("--root",
-                   help="CIFAR-100 directory, downloaded there when missing; with --dataset folder, the image folder "
-                        "(the image recipe's --data.root) (default: data)")
-    d.add_argument("--path",
-                   help="with --dataset text: the text file or folder (lm.py's --data.path; --root, its older name, "
-                        "still works) (default: no text; --dataset text requires it)")
-    d.add_argument("--seq-len", type=int,
-                   help="language-model sweeps: tokens (bytes, or the --pretrained tokenizer's tokens) per window "
-                        + where_set("seq_len"))
-    d.add_argument("--pretrained",
-                   help="--sweep convert: your own checkpoint (a save_pretrained directory with its tokenizer) as the "
-                        "base model, instead of the Llama the sweep trains and caches (default: none)")
-    d.add_argument("--base-steps", type=int,
-                   help="--sweep convert: optimizer steps of the base model it trains once with its own RMSNorms "
-                        "and caches " + where_set("base_steps"))
-    d.add_argument("--image-size", type=int, help="images resized to this height and width " + per_dataset("image_size"))
+    d.add_argument("--root", metavar="DIR", help="CIFAR-100 directory, downloaded there when missing; with --dataset "
+                   "folder, the image folder (default: data)")
+    d.add_argument("--path", metavar="PATH", help="with --dataset text: the text file or folder (lm.py's --data.path; "
+                   "--root still works) (default: none; --dataset text requires it)")
+    d.add_argument("--seq-len", type=int, metavar="N", help="language-model sweeps: tokens per window "
+                   + where_set("seq_len"))
+    d.add_argument("--pretrained", metavar="DIR", help="--sweep convert: your own checkpoint (a save_pretrained "
+                   "directory with its tokenizer) as the base model (default: none, the sweep trains and caches one)")
+    d.add_argument("--base-steps", type=int, metavar="N", help="--sweep convert: optimizer steps of the base model it "
+                   "trains once with its own RMSNorms and caches " + where_set("base_steps"))
+    d.add_argument("--image-size", type=int, metavar="N",
+                   help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
-                   help="training augmentation of the data module " + per_dataset("augment", _flag))
-    d.add_argument("--arch", help="the model: --sweep norm and qk, a torchvision/timm model that recipes/cifar100.py "
-                                  "takes (a ViT without an img_size in --arch-kwargs gets --image-size); --sweep lm and "
-                                  "lm-qk, a transformers model_type with a causal-LM head (llama, gpt2, qwen3, ...) "
-                                  + per_dataset("arch"))
-    d.add_argument("--arch-kwargs", type=json.loads,
-                   help="JSON dict of model-builder arguments; the per-dataset default applies only to the "
-                        "default --arch " + per_dataset("arch_kwargs", json.dumps))
+                   help="training augmentation " + per_dataset("augment", _flag))
+    d.add_argument("--arch", metavar="NAME", help="--sweep norm and qk: a torchvision/timm model that "
+                   "recipes/cifar100.py takes; language-model sweeps: a transformers model_type with a causal-LM head "
+                   "(llama, gpt2, qwen3, ...) " + per_dataset("arch"))
+    d.add_argument("--arch-kwargs", type=json.loads, metavar="JSON",
+                   help="model-builder arguments; the per-dataset default applies only to the default --arch "
+                        + per_dataset("arch_kwargs", json.dumps))
     d.add_argument("--cifar-stem", action=argparse.BooleanOptionalAction,
                    help="3x3 stride-1 stem without max-pool for ResNets " + per_dataset("cifar_stem", _flag))
-    d.add_argument("--synthetic-train-size", type=int, help="training images of synthetic (default: 50000)")
-    d.add_argument("--synthetic-val-size", type=int, help="validation images of synthetic (default: 10000)")
-    r = p.add_argument_group("running")
-    r.add_argument("--accelerator", help="Lightning accelerator " + per_dataset("accelerator", str))
-    r.add_argument("--precision",
-                   help="(default: 32-true on the CPU; bf16-mixed on GPUs with bf16, else 16-mixed)")
-    r.add_argument("--mrs-backend", default="auto", help="MRSNorm implementation; same maths (default: auto)")
-    r.add_argument("--jobs", type=int,
-                   help="cells trained at once, each in its own process with cpus/jobs threads (default: the "
-                        "usable CPU cores on the cpu accelerator, else 1)")
-    r.add_argument("--num-workers", type=int, help="DataLoader workers per cell (default: 0 on the CPU, else up to 8)")
-    r.add_argument("--shard", default="0/1",
-                   help="K/N: run only the cells with index %% N == K, e.g. one shard per GPU into one --out "
-                        "(default: 0/1, all)")
-    r.add_argument("--progress", action="store_true", help="also show Lightning's per-step progress bar (default: off)")
-    r.add_argument("--out", help="output directory; a rerun resumes it; locked while a sweep runs in it (see above) "
-                                 "(default: runs/<stress or stress_<sweep>>_<dataset>, _quick appended with --quick)")
+    d.add_argument("--synthetic-train-size", type=int, metavar="N", help="training images of synthetic (default: 50000)")
+    d.add_argument("--synthetic-val-size", type=int, metavar="N", help="validation images of synthetic (default: 10000)")
+    r = p.add_argument_group("where to run")
+    r.add_argument("--accelerator", metavar="NAME", help="Lightning accelerator; a GPU cell asks its worker for a GPU "
+                   + per_dataset("accelerator", str))
+    r.add_argument("--precision", help="(default: 32-true on the CPU; bf16-mixed on GPUs with bf16, else 16-mixed)")
+    r.add_argument("--mrs-backend", default="auto", metavar="NAME",
+                   help="MRSNorm implementation; same maths (default: auto)")
+    r.add_argument("--jobs", type=int, metavar="N",
+                   help="cells at once on this machine, each in a Dask worker process with cpus/N threads or its own "
+                        "GPU; 1: in this process (default: the usable CPU cores on the cpu accelerator, else 1)")
+    r.add_argument("--num-workers", type=int, metavar="N",
+                   help="DataLoader workers per cell (default: 0 on the CPU, else up to 8)")
+    c = p.add_argument_group("on a cluster (the [cluster] extra: dask.distributed, dask-jobqueue)")
+    where = c.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", metavar="ADDRESS", help="a running Dask scheduler (tcp://HOST:PORT) whose "
+                       "workers run the cells; waited for as long as Dask's distributed.comm.timeouts.connect "
+                       "(docs/recipes.md) (default: none, this machine)")
+    where.add_argument("--slurm", action="store_true", help="start workers as SLURM jobs (dask-jobqueue's SLURMCluster), "
+                   "one per GPU of a job; the repository and --out on a shared filesystem (default: off)")
+    c.add_argument("--slurm-partition", metavar="NAME", help="the partition (default: the cluster's)")
+    c.add_argument("--slurm-gpus", type=int, metavar="N", help="GPUs per job (default: 0)")
+    c.add_argument("--slurm-cpus", type=int, metavar="N", help="CPUs per job (default: 4)")
+    c.add_argument("--slurm-time", metavar="HH:MM:SS", help="wall time per job (default: 01:00:00)")
+    c.add_argument("--slurm-jobs", type=int, metavar="N", help="jobs (default: 1)")
+    c.add_argument("--slurm-option", action="append", metavar="KEY=VALUE",
+                   help="any other SLURMCluster argument, repeatable; VALUE as JSON or text, e.g. account=proj, "
+                        "memory=64GB (default: none; memory=16GB)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", help="output directory; a rerun resumes it; locked while a sweep runs in it "
+                   "(default: runs/<stress or stress_<sweep>>_<dataset>, _quick appended with --quick)")
+    o.add_argument("--progress", action="store_true", help="also show Lightning's per-step progress bar (default: off)")
     return p
 
 
-def _shard(text: str) -> Optional[tuple[int, int]]:
-    parts = text.split("/")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        return None
-    k, n = int(parts[0]), int(parts[1])
-    return (k, n) if n >= 1 and 0 <= k < n else None
+_SLURM = {"slurm_partition": None, "slurm_gpus": 0, "slurm_cpus": 4, "slurm_time": "01:00:00", "slurm_jobs": 1,
+          "slurm_option": []}
+
+
+def _cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check and fill the cluster options (a mistake is one line naming the option)."""
+    given = [k for k in _SLURM if getattr(args, k) is not None]
+    if given and not args.slurm:
+        p.error(f"--{given[0].replace('_', '-')} is an option of --slurm: add --slurm")
+    if (args.slurm or args.scheduler) and args.jobs is not None:
+        p.error(f"--jobs sets this machine's worker processes; with {'--slurm' if args.slurm else '--scheduler'} the "
+                "cluster's workers run the cells: drop --jobs")
+    for key, value in _SLURM.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("slurm_cpus", "slurm_jobs"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.slurm_gpus < 0:
+        p.error(f"--slurm-gpus must be >= 0, got {args.slurm_gpus}")
+    bad = next((item for item in args.slurm_option if "=" not in item), None)
+    if bad is not None:
+        p.error(f"--slurm-option {bad!r}: give KEY=VALUE, e.g. account=proj")
+    if args.slurm and args.accelerator in ("gpu", "cuda") and not args.slurm_gpus:
+        p.error(f"--accelerator {args.accelerator} with --slurm needs GPUs in the jobs: give --slurm-gpus N")
 
 
 def _repeated(values: Sequence[Any], same: Callable[[Any, Any], bool]) -> Optional[Any]:
@@ -227,7 +270,10 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         kinds, default = SWEEPS, DEFAULT
     else:
         default = next(iter(kinds))
-    p = _parser(kinds, default)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--sweep")
+    asked = pre.parse_known_args(argv)[0].sweep
+    p = _parser(kinds, default, kinds.get(asked, kinds[default]))
     args = p.parse_args(argv)
     sweep = kinds[args.sweep]
     for other in kinds.values():
@@ -322,10 +368,7 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if any(not lr > 0 or not math.isfinite(lr) for lr in args.lrs):
         p.error(f"--lrs must all be > 0, got {_list(args.lrs)}")
-    shard = _shard(args.shard)
-    if shard is None:
-        p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
-    args.shard_k, args.shard_n = shard
+    _cluster_options(p, args)
     if args.jobs is None:
         args.jobs = usable_cpus() if args.accelerator == "cpu" else 1
     args.sweep = sweep

@@ -1,12 +1,14 @@
-"""The resumable grid of a stress sweep: which cells to run, in how many processes, and what is kept.
+"""The resumable grid of a stress sweep: which cells to run, where, and what is kept.
 
 ``main``: parse the command line (:mod:`recipes.sweeps.cli`), skip the cells already in ``--out``
 (``cells/<cell>.json``), check every remaining cell's settings before the first one runs
 (:mod:`recipes.sweeps.cells.image_checks`; a mistake writes nothing), refuse an ``--out`` that holds other
-settings, take the lock of this shard (:mod:`recipes.sweeps.lock`), then train the cells in this
-process or ``--jobs`` worker processes, writing each record atomically as it finishes and the
-report (:mod:`recipes.sweeps.report`) after every cell. A finished cell is always kept, also when
-another fails or Ctrl-C stops the sweep (exit status 130, the same for every ``--jobs``).
+settings, open the cluster (:mod:`recipes.sweeps.cluster`: ``--jobs 1`` on this machine trains in this process),
+take the lock of ``--out`` (:mod:`recipes.sweeps.lock`), then hand the cells to the Dask client as tasks; this
+process alone writes each record, atomically, as it arrives (naming the worker that ran it), and the report
+(:mod:`recipes.sweeps.report`) after every cell. A cell whose worker dies runs again on another (the scheduler's
+own rescheduling); a finished cell is always kept, also when another fails or Ctrl-C stops the sweep (exit
+status 130).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ import argparse
 import itertools
 import json
 import math
-import multiprocessing
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -61,9 +62,20 @@ def machine(accelerator: Optional[str] = "cpu") -> dict[str, Any]:
             "cpu_isa": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
 
 
-def _work(args: argparse.Namespace, out: Path, cell: Cell) -> dict[str, Any]:
-    """Train one cell (in this process or a pool worker); its record with wall and CPU seconds and the machine."""
+def _work(args: argparse.Namespace, out: Path, cell: Cell, threads: Optional[int] = None,
+          gpu: bool = False) -> dict[str, Any]:
+    """Train one cell (in this process or on a Dask worker); its record with wall and CPU seconds and the machine.
+    ``threads``: torch's intra-op threads (``None``: as the process has them); ``gpu``: a Dask worker's GPU cell,
+    which takes a GPU of its own first (:func:`recipes.sweeps.cluster.pin_gpu`)."""
+    if gpu:
+        from recipes.sweeps.cluster import pin_gpu
+
+        pin_gpu()
     run_cell = args.sweep.load("runner")  # torch, Lightning: only where a cell trains
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)  # a Dask worker process starts with OMP_NUM_THREADS=1
     arm, lr, bs, seed = cell
     start, cpu = time.monotonic(), time.process_time()
     record = run_cell(args, out, args.sweep.cell_name(*cell), arm=arm, lr=lr, batch_size=bs, seed=seed)
@@ -73,54 +85,37 @@ def _work(args: argparse.Namespace, out: Path, cell: Cell) -> dict[str, Any]:
     return record
 
 
-def _init_worker(threads: int) -> None:
-    import signal
+def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any) -> Iterator[dict[str, Any]]:
+    """The records of ``todo`` as they finish: in this process (``cluster`` None), or as tasks of the Dask client.
 
-    import torch
-
-    torch.set_num_threads(threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
-
-
-def _records(args: argparse.Namespace, out: Path, todo: list[Cell]) -> Iterator[dict[str, Any]]:
-    """The records of ``todo`` as they finish: in this process, or ``--jobs`` worker processes.
-
-    When a cell fails, no new cell starts, the cells already running finish and are yielded, then
-    the first error is raised.
+    When a cell fails, no new cell starts, the cells already running finish and are yielded, then the
+    first error is raised.
     """
-    jobs = min(args.jobs, len(todo))
-    if jobs <= 1:
+    if cluster is None:
         for cell in todo:
-            yield _work(args, out, cell)
+            yield {**_work(args, out, cell), "worker": "this process"}
         return
-    threads = max(1, usable_cpus() // jobs)
-    context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch/OpenMP state
-    pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(threads,))
-    pending: set[Future] = {pool.submit(_work, args, out, cell) for cell in todo}
+    from distributed import as_completed
+
+    client, token = cluster.client, uuid.uuid4().hex[:8]  # task keys: <cell>@<this sweep>, unique on a shared cluster
+    futures = [client.submit(_work, args, out, cell, cluster.threads, cluster.gpu,
+                             key=f"{args.sweep.cell_name(*cell)}@{token}", resources={"GPU": 1} if cluster.gpu else None)
+               for cell in todo]
     failure: Optional[BaseException] = None
     try:
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
-                if future.cancelled():
-                    continue
-                error = future.exception()
-                if error is None:
-                    yield future.result()
-                elif failure is None:
-                    failure = error
-                    for other in pending:
-                        other.cancel()  # the running ones go on and are kept
+        for future in (pending := as_completed(futures)):
+            if future.status == "finished":  # the worker that ran it holds its result
+                yield {**future.result(), "worker": next(iter(client.who_has([future])[future.key]), "")}
+            elif future.status == "error" and failure is None:
+                failure = future.exception()
+                running = {key for keys in client.processing().values() for key in keys}
+                client.cancel([f for f in futures if f.key not in running and not f.done()])
+                pending.clear()
+                pending.update(f for f in futures if f.key in running and not f.done())
         if failure is not None:
             raise failure
-    except BaseException:  # Ctrl-C, or the consumer stopped: stop the workers, keep what was written
-        for future in pending:
-            future.cancel()
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
+    finally:
+        client.cancel(futures)  # Ctrl-C, a failure or the consumer stopped: nothing of this sweep keeps running
 
 
 def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
@@ -146,6 +141,25 @@ def _line(record: dict[str, Any], kind: Sweep) -> str:
             + kind.progress_note(record) + f" ({record['wall_s']:.0f} s, {record['cpu_s']:.0f} s CPU)")
 
 
+def _train(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any, command: str,
+           settings: dict[str, Any]) -> None:
+    """Write each cell's record as it arrives, and the report after it."""
+    line, close = _progress(len(todo))
+    last_figure = time.monotonic()
+    try:
+        target = out.resolve() if cluster is not None else out  # a worker elsewhere: the same shared folder
+        for i, record in enumerate(_records(args, target, todo, cluster), 1):
+            record["command"] = command
+            write_atomic(out / "cells" / f"{record['cell']}.json", json.dumps(record) + "\n")
+            figure = time.monotonic() - last_figure > _FIGURE_EVERY_S
+            outputs.write_outputs(out, args.sweep, settings, command, figure=figure)  # current after every cell
+            last_figure = time.monotonic() if figure else last_figure
+            line(f"[{i}/{len(todo)}] " + _line(record, args.sweep))
+    finally:
+        close()
+        outputs.write_outputs(out, args.sweep, settings, command, figure=False)
+
+
 def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] = None) -> int:
     """Run (or resume) the sweep of ``argv``; ``kinds``: the sweep kinds offered (default: the registry)."""
     args = parse_args(argv, kinds)
@@ -154,9 +168,8 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
     grid = list(itertools.product(args.arms, args.lrs, args.batch_sizes, args.seeds))
     if kind.keep is not None:
         grid = [c for c in grid if kind.keep(c, args)]
-    mine = [c for i, c in enumerate(grid) if i % args.shard_n == args.shard_k]
     done = {r["cell"] for r in load_records(out)} if (out / "cells").is_dir() else set()
-    todo = [c for c in mine if kind.cell_name(*c) not in done]
+    todo = [c for c in grid if kind.cell_name(*c) not in done]
     settings = st.sweep_settings(args)
     old = st.load(out)
     if old is not None and st.changed(old, settings):
@@ -170,33 +183,34 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
         except UsageError as err:
             raise UsageError(in_sweep_terms(str(err), kind)) from None
     command = " ".join(["python", "recipes/stress.py", *(argv if argv is not None else sys.argv[1:])])
-    out.mkdir(parents=True, exist_ok=True)  # nothing is written before every check passed
-    with OutLock(out, args.shard_k, args.shard_n) as lock:
-        for who in lock.stale:
-            print(f"note: a stale lock on {out} ({who}, no longer running) was taken over", flush=True)
-        (out / "cells").mkdir(exist_ok=True)
-        if old is None:
-            write_atomic(out / st.SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
-        if data is not None:
-            write_atomic(out / outputs.DATA_FILE, json.dumps(data, indent=2) + "\n")
-        jobs = min(args.jobs, max(1, len(todo)))
-        print(f"stress sweep: {len(grid)} cells in the grid, {len(mine) - len(todo)} of this shard already done, "
-              f"{len(todo)} to run ({jobs} at a time) -> {out}", flush=True)
-        if todo:
-            line, close = _progress(len(todo))
-            last_figure = time.monotonic()
-            try:
-                for i, record in enumerate(_records(args, out, todo), 1):
-                    record["command"] = command
-                    write_atomic(out / "cells" / f"{record['cell']}.json", json.dumps(record) + "\n")
-                    figure = time.monotonic() - last_figure > _FIGURE_EVERY_S
-                    outputs.write_outputs(out, kind, settings, command, figure=figure)  # current after every cell
-                    last_figure = time.monotonic() if figure else last_figure
-                    line(f"[{i}/{len(todo)}] " + _line(record, kind))
-            finally:
-                close()
-                outputs.write_outputs(out, kind, settings, command, figure=False)
-        outputs.write_outputs(out, kind, settings, command)
+    jobs = min(args.jobs, max(1, len(todo)))
+    cluster = None
+    if todo and (jobs > 1 or args.scheduler or args.slurm):
+        from recipes.sweeps.cluster import connect
+
+        cluster = connect(args, jobs, usable_cpus())  # a scheduler that does not answer: nothing written yet
+        for name in ("root", "pretrained"):  # a worker elsewhere reads the same files
+            if getattr(args, name) is not None and Path(getattr(args, name)).exists():
+                setattr(args, name, str(Path(getattr(args, name)).resolve()))
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # nothing is written before every check passed
+        with OutLock(out) as lock:
+            for who in lock.stale:
+                print(f"note: a stale lock on {out} ({who}, no longer running) was taken over", flush=True)
+            (out / "cells").mkdir(exist_ok=True)
+            if old is None:
+                write_atomic(out / st.SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
+            if data is not None:
+                write_atomic(out / outputs.DATA_FILE, json.dumps(data, indent=2) + "\n")
+            where = cluster.where if cluster else "in this process"
+            print(f"stress sweep: {len(grid)} cells in the grid, {len(grid) - len(todo)} already done, {len(todo)} to "
+                  f"run ({where}) -> {out}", flush=True)
+            if todo:
+                _train(args, out, todo, cluster, command, settings)
+            outputs.write_outputs(out, kind, settings, command)
+    finally:
+        if cluster is not None:
+            cluster.close()
     print(f"wrote {out / 'results.md'} (claims, robustness, per-cell table), {out / 'results.csv'}, "
           f"{out / 'robustness.csv'}, {out / 'results.png'}; TensorBoard: tensorboard --logdir {out / 'tb'}")
     return 0

@@ -108,6 +108,13 @@ def datamodule(args: argparse.Namespace, batch_size: int) -> ImageDataModule:
 
 @functools.lru_cache(maxsize=8)
 def _sized(arch: str, kwargs_json: str, cifar_stem: bool, image_size: int) -> str:
+    # the models built here are thrown away: they must not draw from the cell's seeded random stream, else a
+    # cell's weights would depend on whether its process built them before (the first cell of a worker or not)
+    with torch.random.fork_rng(devices=[]):
+        return _fit_size(arch, kwargs_json, cifar_stem, image_size)
+
+
+def _fit_size(arch: str, kwargs_json: str, cifar_stem: bool, image_size: int) -> str:
     kwargs = json.loads(kwargs_json)
     if kwargs is not None and ("img_size" in kwargs or "image_size" in kwargs):
         return kwargs_json  # the user's size: check_cells compares it with --image-size

@@ -234,7 +234,8 @@ def progress_note(record: Mapping[str, Any]) -> str:
 
 CONVERT = Sweep(
     name="convert", arm_column="arm", flag="--convert-arms", arms=ARMS,
-    arms_help="--sweep convert: continue (unswapped), mrs-inherit, mrs-calibrate, rms (the control)",
+    arms_help="--sweep convert: the swaps of the trained model's RMSNorms, beside the model left as it is and an RMSNorm "
+              "control",
     grid={"arms": list(ARMS), "lrs": [1e-3], "batch_sizes": [16], "seeds": [0, 1, 2]},
     quick={"seeds": [0], "max_steps": {"stdlib": 40, "text": 40}},
     datasets=DATASETS, default_dataset="stdlib", optimizer="adamw", weight_decay=0.1, warmup_frac=0.05,

@@ -86,7 +86,7 @@ def test_a_kind_defined_in_a_test_runs_end_to_end(tmp_path: Path, capsys: pytest
     argv = ["--sweep", "schedule", "--dataset", "synthetic", "--synthetic-train-size", "32",
             "--synthetic-val-size", "16", "--max-steps", "2", "--log-every", "1", "--jobs", "1", "--out", str(out)]
     assert run(argv, kinds={"schedule": SCHEDULE}) == 0, capsys.readouterr().err
-    assert "4 to run (1 at a time)" in capsys.readouterr().out
+    assert "4 to run (in this process)" in capsys.readouterr().out
     raw = results_rows(out)
     assert list(raw[0]) == ["schedule", "lr", "batch_size", "seed", "arch", "dataset", "num_classes", "steps",
                             "planned_steps", "best_top1", "final_top1", "final_val_loss", "final_train_loss",

@@ -46,7 +46,7 @@ def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: P
             str(out)]
     assert run(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert "4 to run (1 at a time)" in printed and "scaler skipped 0" in printed and "final val bpb" in printed
+    assert "4 to run (in this process)" in printed and "scaler skipped 0" in printed and "final val bpb" in printed
     raw = results_rows(out)
     assert list(raw[0]) == ["arm", "norm", "precision", *HEAD, *METRICS, "wall_s", "cpu_s", "device", "cpu_model",
                             "cpu_isa", "threads", "tb_run"]
@@ -116,11 +116,12 @@ def test_tiny_lm_sweep_end_to_end_resumes_and_refuses_other_settings(tmp_path: P
 
 def test_tiny_lm_qk_sweep_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "lmqk"
-    argv = ["--sweep", "lm-qk", "--lm-qk-norms", "none", "mrs", *TINY, "--shard", "1/2", "--out", str(out)]
+    argv = ["--sweep", "lm-qk", "--lm-qk-norms", "mrs", *TINY, "--out", str(out)]
     assert run(argv) == 0, capsys.readouterr().err
-    assert "2 cells in the grid, 0 of this shard already done, 1 to run" in capsys.readouterr().out
-    assert [r["qk_norm"] for r in results_rows(out)] == ["mrs"]  # shard 1 of 2: the second cell
-    assert run([*argv[:-4], "--shard", "0/2", "--out", str(out)]) == 0
+    assert "1 cells in the grid, 0 already done, 1 to run (in this process)" in capsys.readouterr().out
+    assert [r["qk_norm"] for r in results_rows(out)] == ["mrs"]
+    assert run(["--sweep", "lm-qk", "--lm-qk-norms", "none", "mrs", *argv[4:]]) == 0  # another arm: same --out
+    assert "2 cells in the grid, 1 already done, 1 to run" in capsys.readouterr().out
     raw = results_rows(out)
     assert [r["qk_norm"] for r in raw] == ["none", "mrs"]
     for r in raw:

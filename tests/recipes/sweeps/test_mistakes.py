@@ -21,7 +21,7 @@ import pytest
 
 from helpers import ROOT
 from helpers.scripts import run_script
-from recipes.sweeps.lock import OutLock, _overlap
+from recipes.sweeps.lock import OutLock
 from recipes.sweeps.kinds.norm import NORM
 from recipes.sweeps.records import Row
 from recipes.sweeps.report import verdict_command
@@ -94,32 +94,29 @@ def test_ctrl_c_keeps_the_finished_cells_whatever_the_jobs(tmp_path: Path, jobs:
     assert 1 <= len(kept) < 4
     for path in kept:
         assert 0.0 <= json.loads(path.read_text())["final_top1"] <= 1.0
-    assert not list((out / ".locks").glob("shard-*"))  # the lock went with the sweep
+    assert not list((out / ".locks").glob("sweep*"))  # the lock went with the sweep
 
 
 def test_a_locked_out_is_refused_with_the_other_process(tmp_path: Path, error_line: Callable[[int, str], str]) -> None:
     out = tmp_path / "sweep"
     out.mkdir()
-    with OutLock(out, 0, 2):  # another sweep, here this test, runs shard 0/2
-        proc = _run([*TINY, "--out", str(out)], warnings=True)  # 0/1 overlaps it
+    with OutLock(out):  # another sweep (driver), here this test, writes into --out
+        proc = _run([*TINY, "--out", str(out)], warnings=True)
     line = error_line(proc.returncode, proc.stderr)
-    assert f"is in use by another sweep (process {os.getpid()} on " in line and "--shard 0/2" in line
+    assert f"--out {out} is in use by another sweep (process {os.getpid()} on " in line
     assert not (out / "cells").exists() and not (out / "settings.json").exists()
-    assert _overlap((0, 1), (1, 2)) and _overlap((1, 2), (3, 4)) and not _overlap((0, 2), (1, 2))
-    assert not _overlap((0, 2), (1, 4))
 
 
 @pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
 def test_a_stale_lock_is_reported_and_taken_over(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     (out / ".locks").mkdir(parents=True)
-    (out / ".locks" / "shard-0-of-1").write_text(json.dumps({"pid": 4194999, "host": "gone", "since": 0.0,
-                                                             "shard": "0/1"}))
+    (out / ".locks" / "sweep").write_text(json.dumps({"pid": 4194999, "host": "gone", "since": 0.0}))
     proc = _run([*TINY, "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"note: a stale lock on {out} (process 4194999 on gone, started " in proc.stdout
     assert "no longer running) was taken over" in proc.stdout
-    assert not list((out / ".locks").glob("shard-*"))
+    assert not list((out / ".locks").glob("sweep*"))
 
 
 def test_help_says_quick_is_inconclusive_and_how_the_lock_works() -> None:
@@ -127,8 +124,8 @@ def test_help_says_quick_is_inconclusive_and_how_the_lock_works() -> None:
     text = " ".join(proc.stdout.split())
     assert "--quick runs one seed per cell, so every claim of its report is inconclusive by construction" in text
     assert "rerun without --quick for verdicts" in text
-    assert "a second sweep into the same --out and an overlapping shard refuses to start and names the other " \
-           "process" in text and "reported as stale and taken over" in text
+    assert "a second sweep into the same --out refuses to start and names the other process" in text
+    assert "reported as stale and taken over" in text
 
 
 @pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling

@@ -26,7 +26,7 @@ def test_tiny_qk_sweep_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "qk"
     proc = run_script(ROOT / "recipes" / "stress.py", [*TINY, "--out", str(out)], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 to run (1 at a time)" in proc.stdout and "max attention logit" in proc.stdout
+    assert "2 to run (in this process)" in proc.stdout and "max attention logit" in proc.stdout
     raw = results_rows(out)
     assert [(r["qk_norm"], r["lr"], r["batch_size"], r["seed"]) for r in raw] == [
         ("none", "0.03", "16", "0"), ("mrs", "0.03", "16", "0")]
@@ -132,10 +132,10 @@ def test_qk_defaults_and_help(capsys: pytest.CaptureFixture) -> None:
     quick = parse_args(["--sweep", "qk", "--dataset", "digits", "--quick"])
     assert (quick.lrs, quick.seeds, quick.epochs) == (QK.quick["lrs"], QK.quick["seeds"], QK.quick["epochs"]["digits"])
     with pytest.raises(SystemExit):
-        parse_args(["--help"])
+        parse_args(["--sweep", "qk", "--help"])  # the help states the asked kind's defaults
     text = " ".join(capsys.readouterr().out.split())
     listed = lambda values: " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)  # noqa: E731
-    assert f"--sweep qk: {listed(QK.grid['lrs'])}" in text
+    assert f"peak learning rates (default: {listed(QK.grid['lrs'])} (--quick: {listed(QK.quick['lrs'])}))" in text
     doc = " ".join(stress.__doc__.replace("#", " ").split())  # the module docstring states the same defaults
     assert f"QK-norms {listed(QK.grid['arms'])}; lrs {listed(QK.grid['lrs'])}; batch size " \
            f"{listed(QK.grid['batch_sizes'])}; seeds {listed(QK.grid['seeds'])}; {digits['epochs']} epochs" in doc

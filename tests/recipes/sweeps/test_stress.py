@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from functools import partial
@@ -16,6 +17,7 @@ import torch
 from helpers import ROOT
 from helpers.scripts import results_rows, run_script
 from recipes import stress
+from recipes.sweeps.kinds import SWEEPS
 from recipes.sweeps.kinds.norm import NORM
 from recipes.sweeps.records import write_atomic
 from recipes.sweeps.report import write_outputs
@@ -36,7 +38,7 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _run([*GRID, "--seeds", "0", "--jobs", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 to run (1 at a time)" in proc.stdout
+    assert "2 to run (in this process)" in proc.stdout
 
     rows = results_rows(out)
     assert [(r["norm"], r["lr"], r["batch_size"], r["seed"]) for r in rows] == [
@@ -60,14 +62,16 @@ def test_sweep_then_resume(tmp_path: Path) -> None:
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # an interrupted sweep: one finished cell lost its record, another seed is new -> only those
-    # run, two at a time in worker processes
+    # run, two at a time in the local Dask cluster's worker processes, each record naming its worker
     (out / "cells" / "mrs_lr0.1_bs16_seed0.json").unlink()
     proc = _run([*GRID, "--seeds", "0", "1", "--jobs", "2", "--out", str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 cells in the grid, 1 of this shard already done, 3 to run (2 at a time)" in proc.stdout
+    assert "4 cells in the grid, 1 already done, 3 to run (2 local worker processes)" in proc.stdout
     rows = results_rows(out)
     keys = [(r["norm"], r["seed"]) for r in rows]
     assert sorted(keys) == [("layer", "0"), ("layer", "1"), ("mrs", "0"), ("mrs", "1")]
+    workers = [json.loads(p.read_text())["worker"] for p in sorted((out / "cells").glob("*.json"))]
+    assert workers[0] == "this process" and all(w.startswith("tcp://127.0.0.1:") for w in workers[1:]), workers
 
     # a plain rerun: nothing trains, nothing is appended, and torch is never imported
     before = (out / "results.csv").read_text()
@@ -186,9 +190,46 @@ def test_docstring_states_the_code_defaults() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--max-steps", "0"], "--max-steps"), (["--max-steps", "1", "--shard", "2/2"], "--shard"), ([], "--epochs"),
+    (["--max-steps", "0"], "--max-steps"), (["--max-steps", "1", "--slurm-gpus", "2"], "--slurm-gpus"), ([], "--epochs"),
     (["--dataset", "digits", "--lrs", "x"], "--lrs"),
 ])
 def test_bad_arguments(tmp_path: Path, argv: list[str], message: str, error_line: Callable[[int, str], str]) -> None:
     proc = _run(["--out", str(tmp_path / "x"), *argv], timeout=60)
     assert message in error_line(proc.returncode, proc.stderr)
+
+
+@pytest.mark.parametrize("kind", list(SWEEPS))
+def test_help_fits_two_screens_and_lists_each_arm_once(kind: str, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """``--sweep KIND --help``: grouped, its defaults only, the usage one line, each of its arms once in its option."""
+    monkeypatch.setenv("COLUMNS", "80")  # what a terminal of 80 columns shows
+    with pytest.raises(SystemExit):
+        stress.parse_args(["--sweep", kind, "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 180 and len(text) <= 11_000, (len(text.splitlines()), len(text))  # was 268, 19 KB
+    usage = text.split("\n\n")[0]
+    assert len(usage) < 200 and "{" not in usage  # no choice list in the usage line
+    groups = re.findall(r"^(\S[^\n]*):$", text, flags=re.M)
+    assert groups[1:] == ["what to sweep", "training", "data and model", "where to run",
+                          "on a cluster (the [cluster] extra: dask.distributed, dask-jobqueue)", "output"]
+    sweep, flat = SWEEPS[kind], " ".join(text.split())
+    listed = re.findall(r"(?<![\w-])" + r" ".join(re.escape(a) + r"(\*?)" for a in sweep.arms) + r"(?![\w-])", flat)
+    assert len(listed) == 1  # the arms, in order, once
+    assert [mark == "*" for mark in listed[0]] == [a in sweep.grid["arms"] for a in sweep.arms]  # defaults marked
+    others = [k for k in SWEEPS.values() if k is not sweep]
+    assert all(f"{k.flag} ARM [ARM ...]" in flat and f"listed by --sweep {k.name} --help" in flat for k in others)
+
+
+def test_a_cells_model_does_not_depend_on_what_its_process_built_before(tmp_path: Path) -> None:
+    """The first cell of a fresh process (a Dask worker's first) and a later one start from the same weights: the
+    model the input-size probe builds and throws away draws nothing from the seeded random stream."""
+    import lightning.pytorch as pl
+    from recipes.sweeps.cells import image
+
+    args = stress.parse_args([*GRID, "--seeds", "0", "--out", str(tmp_path)])
+    image._sized.cache_clear()  # as in a fresh worker process
+    pl.seed_everything(0, verbose=False)
+    first = image.build_model(args, "layer", 0.1, 10).state_dict()
+    pl.seed_everything(0, verbose=False)
+    later = image.build_model(args, "layer", 0.1, 10).state_dict()  # the probe's result cached
+    assert first.keys() == later.keys() and all(torch.equal(first[k], later[k]) for k in first)
