@@ -74,8 +74,13 @@ def transformers_class(name: str, record_format: int = FORMAT) -> type:
         record_format: the record format of the file that asks (a newer one is refused).
 
     Raises:
-        ImportError: the file was written for a newer record format (upgrade lightning-mrs).
+        ImportError: the file was written for another record format (a newer one: upgrade lightning-mrs).
         AttributeError: no such class.
+
+    Example:
+        >>> cls = transformers_class("LightningMRSLlamaForSequenceClassification", 2)
+        >>> cls.__mro__[1].__name__, cls.config_class.__name__
+        ('LlamaForSequenceClassification', 'LightningMRSLlamaConfig')
     """
     base = getattr(_transformers(), name[len(PREFIX):], None) if name.startswith(PREFIX) else None
     if not isinstance(base, type):
