@@ -48,7 +48,7 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.spec import rebuild
 from lightning_mrs.version import __version__
 
-__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "hf_roots", "live_layers", "plain_config",
+__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "live_layers", "plain_config",
            "recorded_layers", "rooted", "saved_config", "swapped_class", "transformers_class"]
 
 RECORD_KEY = "lightning_mrs"
@@ -178,7 +178,7 @@ def config_class(base: type) -> type:
 def swapped_class(own: type) -> type:
     """``LightningMRS<Base>``: ``own`` (a transformers model class, or a subclass of one) whose
     ``save_pretrained`` writes the custom-model format and whose ``__init__`` rebuilds a recorded swap."""
-    if "_lightning_mrs_own" in own.__dict__:
+    if _own(own) is not own:  # swapped already (perhaps under a wrapper's subclass: FSDP2's)
         return own
     with _LOCK:
         cls = _CLASSES.get(own)
@@ -249,6 +249,7 @@ def _init(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
     _own(type(self)).__init__(self, plain_config(config), *args, **kwargs)
     if layers:
         rebuild(self, None, rooted(layers, self))  # on the device the weights load to, before they load
+        adopt(self)  # the base model inside too, as after swap_norms
 
 
 def live_layers(model: nn.Module) -> dict[str, LayerRecord]:
@@ -307,21 +308,11 @@ def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs:
         self.__class__, self.config = cls, shared
 
 
-def hf_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost transformers models (a ``config`` and ``save_pretrained``) in ``model``:
-    ``(dotted name, module)``; ``model`` itself when it is one."""
-    roots: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(f"{r}.") or not r for r, _ in roots):
-            continue
-        # a subclass counts (a user's model class): its save_pretrained writes the config all the same
+def adopt(model: nn.Module) -> None:
+    """Make every transformers model in ``model`` a ``LightningMRS<Base>`` (in place): the outermost
+    ones and those inside them (a head's base model, whose ``save_pretrained`` saves its own swap)."""
+    for module in model.modules():
+        # a subclass counts (a user's model class); not a wrapper (PEFT's PeftModel is no PreTrainedModel)
         if (derives_from_transformers(module) and callable(getattr(module, "save_pretrained", None))
                 and derives_from_transformers(getattr(module, "config", None))):
-            roots.append((name, module))
-    return roots
-
-
-def adopt(model: nn.Module) -> None:
-    """Make every transformers model in ``model`` a ``LightningMRS<Base>`` (in place)."""
-    for _, root in hf_roots(model):
-        root.__class__ = swapped_class(type(root))
+            module.__class__ = swapped_class(type(module))

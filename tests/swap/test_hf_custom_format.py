@@ -174,3 +174,21 @@ def test_saved_code_of_a_newer_format_is_refused_by_the_installed_entry_point(tm
     code.write_text(code.read_text().replace("RECORD_FORMAT = 2", "RECORD_FORMAT = 3"))
     with pytest.raises(ImportError, match=r"written for lightning-mrs record format 3; .* reads format 2: pip install -U"):
         transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+
+def test_a_heads_base_model_saves_its_own_swap(tmp_path):
+    """transformers' test_correct_missing_keys: ``head.base_model.save_pretrained`` then the head's load."""
+    model = _trained(tiny_causal_lm("llama"))
+    model.base_model.save_pretrained(tmp_path / "plain")
+    _, expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "plain", output_loading_info=True)
+    swap_norms(model, "mrs", qk_norm="mrs")
+    model.base_model.save_pretrained(tmp_path / "swapped")
+    again, info = from_pretrained(tmp_path / "swapped", auto_class=transformers.LlamaForCausalLM,
+                                  attn_implementation="eager", output_loading_info=True)
+    assert info == expected and info["missing_keys"] == {"lm_head.weight"}
+    with torch.no_grad():
+        assert torch.equal(_hidden(again, token_batch()), _hidden(model, token_batch()))
+    loaded = from_pretrained(tmp_path / "swapped", auto_class=transformers.LlamaForCausalLM)  # and once more
+    loaded.base_model.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["lightning_mrs"]["layers"] == (
+        json.loads((tmp_path / "swapped" / "config.json").read_text())["lightning_mrs"]["layers"])
