@@ -186,11 +186,13 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
         pretrained_model_name_or_path: a directory ``save_pretrained`` wrote, a hub name, or
             ``None`` with ``config=`` and ``state_dict=``.
         *model_args: passed to the model's ``__init__``, as by transformers.
-        auto_class: the class to build (``AutoModelForSequenceClassification``, a model class);
-            default: the class that was saved (``config.architectures``), else a causal LM.
+        auto_class: the class to build (``AutoModelForSequenceClassification``, a model class of
+            transformers or your own); default: the class that was saved (``config.architectures``;
+            a name transformers lacks asks for ``auto_class=``), else a causal LM.
         **kwargs: transformers' ``from_pretrained`` keywords: ``dtype``, ``device_map``,
             ``offload_folder``, ``attn_implementation``, ``revision``, ``state_dict``,
-            ``config`` (a config or a path), ``output_loading_info`` (then ``(model, info)`` is
+            ``config`` (a config or a path; for a swapped model's weights, one that holds the record:
+            ``AutoConfig.from_pretrained(directory, trust_remote_code=True)``), ``output_loading_info`` (then ``(model, info)`` is
             returned, transformers' info of the load), ``ignore_mismatched_sizes`` (re-initialises
             mismatched weights, never a swapped norm's), and config overrides such as
             ``num_labels=5`` or ``use_cache=False`` (read into the config as transformers does when
@@ -204,8 +206,9 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
         FileNotFoundError: no such directory (a path that can only be local, or a name that is
             neither a directory nor a model on the hub).
         ValueError: the saved weights do not fit the rebuilt norm layers (missing, unexpected or
-            mismatched keys, listed; ``ignore_mismatched_sizes`` does not change this), or the
-            record does not fit the architecture.
+            mismatched keys, listed; ``ignore_mismatched_sizes`` does not change this), the record
+            does not fit the architecture or has another format (naming the release it needs), or
+            ``architectures`` names a class transformers lacks and no ``auto_class=`` is given.
         RuntimeError: other weights have other shapes and ``ignore_mismatched_sizes`` is not set
             (as transformers raises).
         ImportError: transformers is not installed.
