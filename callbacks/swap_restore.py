@@ -18,7 +18,7 @@ from torch import nn
 from lightning_mrs.callbacks.checkpoint_file import is_sharded, load_weights, read_metadata
 from lightning_mrs.callbacks.swap_record import align_compiled_keys, canonical, find_record, model_names, records
 from lightning_mrs.swap.options import check_bool, check_model
-from lightning_mrs.swap.modeling_lightning_mrs import adopt
+from lightning_mrs.swap.hf_format import adopt
 from lightning_mrs.swap.spec import describe_layers, rebuild, rebuild_v1
 
 __all__ = ["rebuild_recorded", "restore"]

@@ -31,13 +31,14 @@ from lightning_mrs.swap import (
     register_norm,
     swap_norms,
 )
+from lightning_mrs.swap.hf_format import transformers_class
 from lightning_mrs.version import __version__
 
 __all__ = [
     "MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale",
     "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "OffsetRMSNorm", "NormAct",
     "DyT", "DyT2d",
-    "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS", "from_pretrained",
+    "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS", "from_pretrained", "transformers_class",
     "QK_NORMS", "AttentionInfo", "iter_attention_layers", "expose_attention",
     "phasor_sums", "layer_stats", "aggregate_stats", "weight_grad_stats",
     "AttentionSums", "attention_sums", "attention_figures", "query_sample",

@@ -1,11 +1,12 @@
 """``from_pretrained``: load a transformers model saved after a norm swap, exactly as it was saved.
 
-A swapped transformers model records its swap in its config (:mod:`lightning_mrs.swap.hf_record`),
-so ``model.save_pretrained(path)`` writes it into ``config.json``. :func:`from_pretrained` builds
-the model from that config through transformers' own ``from_pretrained`` (so ``dtype``,
-``device_map``, offloading... work as there), re-applies the recorded swap to the freshly built
-model *before* its weights load (as transformers' quantizers replace modules), and loads the
-swapped layers strictly: a missing, unexpected or mismatched key of a recorded layer is an error
+A swapped transformers model saves as a custom model (:mod:`lightning_mrs.swap.hf_format`): its
+swap is recorded in ``config.json``. :func:`from_pretrained` is the same mechanism as
+``AutoModel*.from_pretrained(path, trust_remote_code=True)``, run from the installed lightning-mrs
+(never the file in the directory): it calls the ``from_pretrained`` of ``LightningMRS<Base>``, for
+the class that was saved or the one asked for (``auto_class=``), whose ``__init__`` re-applies the
+recorded swap to the freshly built model *before* its weights load (so ``dtype``, ``device_map``,
+offloading... work as there), and it loads the swapped layers strictly: a missing, unexpected or mismatched key of a recorded layer is an error
 naming it, never a silent re-initialisation, whatever ``ignore_mismatched_sizes`` says. Every other
 key, and every keyword, is transformers' business: a new classification head is re-initialised and
 reported as transformers does. A directory without a record loads as transformers would load it.
@@ -34,8 +35,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mrs.swap.attention_info import is_qk_name
-from lightning_mrs.swap.hf_record import RECORD_KEY, guard, recorded_layers
-from lightning_mrs.swap.modeling_lightning_mrs import PREFIX, swapped_class
+from lightning_mrs.swap.hf_format import PREFIX, RECORD_KEY, recorded_layers, rooted, swapped_class
 from lightning_mrs.swap.registry import norm_spec
 
 __all__ = ["from_pretrained"]
@@ -52,15 +52,21 @@ def _transformers() -> Any:
         raise ImportError("lightning_mrs.from_pretrained needs transformers: pip install 'lightning-mrs[hf]'") from err
 
 
-def _model_class(transformers: Any, config: Any, auto_class: Optional[type]) -> type:
-    """The class that was saved (``config.architectures[0]``), else ``AutoModelForCausalLM``'s."""
-    if auto_class is not None:
-        return auto_class._model_mapping[type(config)] if hasattr(auto_class, "_model_mapping") else auto_class
-    for name in getattr(config, "architectures", None) or ():
-        cls = getattr(transformers, name.removeprefix(PREFIX), None)  # a swapped class saves as LightningMRS<Base>
-        if isinstance(cls, type) and issubclass(cls, nn.Module):
-            return cls
-    return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+def _model_class(transformers: Any, source: Any, config_type: type, architectures: Any, auto_class: Optional[type]) -> type:
+    """The class that was saved (``config.json``'s ``architectures``), else ``AutoModelForCausalLM``'s."""
+    if auto_class is not None and not hasattr(auto_class, "_model_mapping"):
+        return auto_class
+    auto = auto_class or transformers.AutoModelForCausalLM
+    if auto_class is None and architectures:
+        cls = getattr(transformers, architectures[0].removeprefix(PREFIX), None)  # a swapped class saves as LightningMRS<Base>
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{_name(source)}: config.json's architectures name {architectures[0]}, which transformers does "
+                             "not define: pass auto_class= (AutoModelForSequenceClassification, your own class...)")
+        return cls
+    if config_type not in auto._model_mapping:
+        raise ValueError(f"{_name(source)}: {auto.__name__} has no model for model_type {config_type.model_type!r}; "
+                         "pass auto_class= (the Auto class or model class to build)")
+    return auto._model_mapping[config_type]
 
 
 def _looks_local(text: str) -> bool:
@@ -88,15 +94,27 @@ def _check_source(source: Union[str, os.PathLike, None]) -> None:
         raise _no_such_directory(text)
 
 
-def _read_config(transformers: Any, source: Any, config: Any, kwargs: dict[str, Any]) -> Any:
-    """The saved config, read only to find the record and the class (transformers reads its own)."""
+def _read_config(transformers: Any, source: Any, config: Any, kwargs: dict[str, Any]) -> tuple[Any, type, Any]:
+    """The saved config's record, its family's config class and ``architectures``, read only to find the
+    class (transformers reads the config itself)."""
     if isinstance(config, transformers.PretrainedConfig):
-        return config
+        plain = getattr(type(config), "_lightning_mrs_config_base", type(config))
+        return getattr(config, RECORD_KEY, None), plain, getattr(config, "architectures", None)
     where = config if config is not None else source
     if where is None:
         raise ValueError("lightning_mrs.from_pretrained(None): give a directory, or config= (and state_dict=)")
     try:
-        return transformers.AutoConfig.from_pretrained(where, **{k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs})
+        hub = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
+        saved, _ = transformers.PretrainedConfig.get_config_dict(where, **hub)
+        record, model_type = saved.get(RECORD_KEY), str(saved.get("model_type", ""))
+        if record is not None:
+            model_type = model_type.removeprefix("lightning_mrs_")
+        if model_type in transformers.CONFIG_MAPPING:
+            return record, transformers.CONFIG_MAPPING[model_type], saved.get("architectures")
+        if record is not None:
+            raise ValueError(f"{_name(where)}: config.json's model_type {model_type!r} is not a transformers family")
+        config = transformers.AutoConfig.from_pretrained(where, **hub)  # a model of remote code, not swapped
+        return None, type(config), getattr(config, "architectures", None)
     except OSError as err:
         if isinstance(where, (str, os.PathLike)) and not os.path.isdir(where):
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
@@ -152,9 +170,9 @@ def _stray_norm_weights(source: Any, model: nn.Module, info: dict[str, Any]) -> 
     if stray:
         raise ValueError(f"{_name(source)}: the weights hold norm parameters that {type(model).__name__} built from this config "
                          f"lacks ({stray[:4]}{' ...' if len(stray) > 4 else ''}): they come from a model swapped by "
-                         f"lightning-mrs, and the config given has no (or another) {RECORD_KEY} record. Pass the "
-                         "swapped model's own config (config=model.config, which holds the record), or load the "
-                         "directory its save_pretrained wrote.")
+                         f"lightning-mrs, and the config given has no (or another) {RECORD_KEY} record. Load the "
+                         "directory the swapped model's save_pretrained wrote, or pass its config "
+                         "(config=AutoConfig.from_pretrained(directory, trust_remote_code=True)).")
 
 
 def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None], *model_args: Any,
@@ -168,11 +186,13 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
         pretrained_model_name_or_path: a directory ``save_pretrained`` wrote, a hub name, or
             ``None`` with ``config=`` and ``state_dict=``.
         *model_args: passed to the model's ``__init__``, as by transformers.
-        auto_class: the class to build (``AutoModelForSequenceClassification``, a model class);
-            default: the class that was saved (``config.architectures``), else a causal LM.
+        auto_class: the class to build (``AutoModelForSequenceClassification``, a model class of
+            transformers or your own); default: the class that was saved (``config.architectures``;
+            a name transformers lacks asks for ``auto_class=``), else a causal LM.
         **kwargs: transformers' ``from_pretrained`` keywords: ``dtype``, ``device_map``,
             ``offload_folder``, ``attn_implementation``, ``revision``, ``state_dict``,
-            ``config`` (a config or a path), ``output_loading_info`` (then ``(model, info)`` is
+            ``config`` (a config or a path; for a swapped model's weights, one that holds the record:
+            ``AutoConfig.from_pretrained(directory, trust_remote_code=True)``), ``output_loading_info`` (then ``(model, info)`` is
             returned, transformers' info of the load), ``ignore_mismatched_sizes`` (re-initialises
             mismatched weights, never a swapped norm's), and config overrides such as
             ``num_labels=5`` or ``use_cache=False`` (read into the config as transformers does when
@@ -186,8 +206,9 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
         FileNotFoundError: no such directory (a path that can only be local, or a name that is
             neither a directory nor a model on the hub).
         ValueError: the saved weights do not fit the rebuilt norm layers (missing, unexpected or
-            mismatched keys, listed; ``ignore_mismatched_sizes`` does not change this), or the
-            record does not fit the architecture.
+            mismatched keys, listed; ``ignore_mismatched_sizes`` does not change this), the record
+            does not fit the architecture or has another format (naming the release it needs), or
+            ``architectures`` names a class transformers lacks and no ``auto_class=`` is given.
         RuntimeError: other weights have other shapes and ``ignore_mismatched_sizes`` is not set
             (as transformers raises).
         ImportError: transformers is not installed.
@@ -210,26 +231,21 @@ def from_pretrained(pretrained_model_name_or_path: Union[str, os.PathLike, None]
     transformers = _transformers()
     _check_source(pretrained_model_name_or_path)
     source = pretrained_model_name_or_path
-    config = _read_config(transformers, source, kwargs.get("config"), kwargs)
-    record = getattr(config, RECORD_KEY, None)
-    base = _model_class(transformers, config, auto_class)
+    record, config_type, architectures = _read_config(transformers, source, kwargs.get("config"), kwargs)
+    base = _model_class(transformers, source, config_type, architectures, auto_class)
     wants_info = kwargs.pop("output_loading_info", False)
-    if not isinstance(record, dict):
+    if record is None:
         model, info = base.from_pretrained(source, *model_args, output_loading_info=True, **kwargs)
         _stray_norm_weights(source, model, info)
         return (model, info) if wants_info else model
     layers = recorded_layers(record, f"{_name(source)}: ")
-    guarded = not all(entry.get("plain") for entry in (record.get("layers") or {}).values())
 
-    # the swapped class: its __init__ removes the guards and re-applies the record to the freshly built
-    # model before the weights load; the model stays that class, so a save_pretrained keeps the format
+    # LightningMRS<Base> re-applies the record to the freshly built model before the weights load
     building = swapped_class(base)
     ignore = bool(kwargs.pop("ignore_mismatched_sizes", False))
     # transformers reports mismatches to us instead of raising; _check_loaded raises what it would have
     model, info = building.from_pretrained(source, *model_args, ignore_mismatched_sizes=True,
                                            output_loading_info=True, **kwargs)
-    if guarded:
-        guard(model.config)  # a save_pretrained of the loaded model keeps config.json's guards
-    _check_loaded(source, model, info, tuple(layers), ignore)
+    _check_loaded(source, model, info, tuple(rooted(layers, model)), ignore)
     _stray_norm_weights(source, model, info)
     return (model, info) if wants_info else model

@@ -1,10 +1,10 @@
 """``save_pretrained`` and ``lightning_mrs.from_pretrained``: a swapped transformers model comes back exactly.
 
-Every swap is recorded in the model's config; the reloaded model reproduces the saved one's
-logits bit for bit. A plain ``AutoModelForCausalLM.from_pretrained`` gives the same model where
-every layer keeps the family's convention (an ``rms`` swap, Gemma's offset included) and refuses
-the directory otherwise (never another model). Families: Llama, Gemma (``1 + w``), Qwen3 (its own
-QK-norms), Phi with ``qk_layernorm``, GPT-2 and GPT-NeoX (fused projections).
+Every swap is recorded in the saved ``config.json`` (read off the live modules); the reloaded
+model reproduces the saved one's logits bit for bit. The directory is a custom model: transformers
+without ``trust_remote_code=True`` refuses it with its own message (never another model).
+Families: Llama, Gemma (``1 + w``), Qwen3 (its own QK-norms), Phi with ``qk_layernorm``, GPT-2 and
+GPT-NeoX (fused projections).
 """
 
 from __future__ import annotations
@@ -18,28 +18,28 @@ import torch
 
 from helpers.hf import tiny_causal_lm, token_batch, transformers
 from lightning_mrs import MRSNorm, OffsetRMSNorm, from_pretrained, swap_norms
-from lightning_mrs.swap.hf_record import GUARD
+from lightning_mrs.swap.hf_format import RECORD_KEY, saved_config
 
-#: (family, config overrides, swap options, whether plain transformers loads it as it is)
+#: (family, config overrides, swap options)
 CASES = [
-    ("llama", {}, dict(target="mrs"), False),
-    ("llama", {}, dict(target="rms"), True),
-    ("llama", {}, dict(target="rms-half"), False),  # squares in float16: not the family's upcasting RMSNorm
-    ("llama", {}, dict(target="layer"), False),
-    ("llama", {}, dict(target=None, qk_norm="mrs"), False),
-    ("llama", {}, dict(target="rms", qk_norm="rms"), False),
-    ("gemma", {}, dict(target="rms"), True),
-    ("gemma", {}, dict(target="mrs"), False),
-    ("qwen3", {}, dict(target="mrs"), False),
-    ("qwen3", {}, dict(target="rms"), True),
-    ("phi", dict(qk_layernorm=True), dict(target="mrs", qk_norm="mrs"), False),
-    ("gpt2", {}, dict(target="mrs", qk_norm="mrs"), False),
-    ("gpt_neox", {}, dict(target=None, qk_norm="rms"), False),
+    ("llama", {}, dict(target="mrs")),
+    ("llama", {}, dict(target="rms")),
+    ("llama", {}, dict(target="rms-half")),  # squares in float16: not the family's upcasting RMSNorm
+    ("llama", {}, dict(target="layer")),
+    ("llama", {}, dict(target=None, qk_norm="mrs")),
+    ("llama", {}, dict(target="rms", qk_norm="rms")),
+    ("gemma", {}, dict(target="rms")),
+    ("gemma", {}, dict(target="mrs")),
+    ("qwen3", {}, dict(target="mrs")),
+    ("qwen3", {}, dict(target="rms")),
+    ("phi", dict(qk_layernorm=True), dict(target="mrs", qk_norm="mrs")),
+    ("gpt2", {}, dict(target="mrs", qk_norm="mrs")),
+    ("gpt_neox", {}, dict(target=None, qk_norm="rms")),
 ]
 
 
 def _ids(case: tuple) -> str:
-    family, _, options, _ = case
+    family, _, options = case
     return f"{family}-" + "-".join(f"{k}={v}" for k, v in options.items())
 
 
@@ -61,7 +61,7 @@ def _saved(tmp_path: Path, family: str, config: dict, options: dict) -> tuple[to
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_reload_reproduces_the_logits_bit_for_bit(tmp_path, case):
-    family, config, options, _ = case
+    family, config, options = case
     model, path = _saved(tmp_path, family, config, options)
     again = from_pretrained(path, attn_implementation="eager")
     assert type(again) is type(model)
@@ -69,26 +69,21 @@ def test_reload_reproduces_the_logits_bit_for_bit(tmp_path, case):
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
-    assert again.config.lightning_mrs["layers"] == model.config.lightning_mrs["layers"]
+    saved = json.loads((path / "config.json").read_text())[RECORD_KEY]["layers"]
+    assert getattr(saved_config(again), RECORD_KEY)["layers"] == saved  # a reload saves the same record
+    assert type(again.config) is type(model.config) and RECORD_KEY not in vars(again.config)  # the family's config
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_plain_transformers_loads_the_same_model_or_refuses(tmp_path, case):
-    family, config, options, plain = case
+def test_plain_transformers_refuses_every_swap_as_custom_code(tmp_path, case):
+    family, config, options = case
     model, path = _saved(tmp_path, family, config, options)
     saved = json.loads((path / "config.json").read_text())
-    assert ("attn_implementation" in saved) == (not plain)
-    if not plain:
-        assert saved["attn_implementation"] == GUARD
-        with pytest.raises(ValueError, match="lightning_mrs.from_pretrained"):
-            transformers.AutoModelForCausalLM.from_pretrained(path)
-        assert transformers.AutoConfig.from_pretrained(path).model_type == model.config.model_type  # config still reads
-        return
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
-    loaded.config._attn_implementation = "eager"
-    ids = token_batch()
-    with torch.no_grad():  # the family's own classes: the same formula, float32 inside
-        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+    assert saved["model_type"] == f"lightning_mrs_{model.config.model_type}"
+    with pytest.raises(ValueError, match="contains custom code which must be executed"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False)
+    loaded = transformers.AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert isinstance(loaded, type(model.config)) and loaded.model_type == saved["model_type"]
 
 
 def test_gemma_rms_keeps_the_stored_weight_convention(tmp_path):
@@ -99,21 +94,23 @@ def test_gemma_rms_keeps_the_stored_weight_convention(tmp_path):
 
 
 @pytest.mark.parametrize("options", [dict(target="mrs"), dict(target=None, qk_norm="mrs"), dict(target="layer")])
-def test_an_explicit_attention_still_gets_the_documented_message(tmp_path, options):
-    """``attn_implementation=`` overrides the attention guard; the experts guard still refuses, with the message
-    (before, an MRS body failed on a size mismatch and a QK-only or ``layer`` swap loaded as another model)."""
+def test_an_explicit_attention_still_gets_transformers_message(tmp_path, options):
+    """``attn_implementation=`` changes nothing: the directory is custom code (before this format, a guard
+    in two config keys did this, and a call naming both keys overrode it)."""
     _, path = _saved(tmp_path, "llama", {}, options)
-    with pytest.raises(ValueError, match="load with lightning_mrs.from_pretrained"):
-        transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                          experts_implementation="eager", trust_remote_code=False)
 
 
-def test_a_reloaded_model_saves_its_guards_again(tmp_path):
-    """The guards live in config.json; a model loaded by lightning_mrs and saved again keeps them."""
+def test_a_reloaded_model_saves_the_same_directory_again(tmp_path):
     model, path = _saved(tmp_path / "a", "llama", {}, dict(target=None, qk_norm="mrs"))
     again = from_pretrained(path)
     again.save_pretrained(tmp_path / "b")
-    with pytest.raises(ValueError, match="load with lightning_mrs.from_pretrained"):
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b")
+    first, second = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("a", "b"))
+    assert first == second
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b", trust_remote_code=False)
     third = from_pretrained(tmp_path / "b", attn_implementation="eager")
     ids = token_batch()
     with torch.no_grad():
@@ -127,7 +124,7 @@ def test_a_directory_without_a_record_loads_as_transformers_does(tmp_path):
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
-    assert not hasattr(again.config, "lightning_mrs")
+    assert not hasattr(again.config, "lightning_mrs") and type(again) is transformers.LlamaForCausalLM
 
 
 def test_weights_that_do_not_fit_the_record_are_an_error(tmp_path):
@@ -165,15 +162,15 @@ def test_disk_offload_loads_the_swapped_model(tmp_path):
 
 def test_a_second_swap_keeps_the_first_in_the_record(tmp_path):
     model = tiny_causal_lm("llama")
-    swap_norms(model, "rms")  # own kind: plain
-    assert "attn_implementation" not in vars(model.config)
-    swap_norms(model, None, qk_norm="mrs")  # added QK-norms: not plain any more
-    layers = model.config.lightning_mrs["layers"]
-    assert layers["model.norm"] == dict(kind="rms", channel_dim=-1, spatial=None, eps=1e-6, plain=True,
-                                        **{"from": "LlamaRMSNorm: rms(x) * w, eps=1e-06"})
-    assert layers["model.layers.1.self_attn.k_norm"]["qk"] and not layers["model.layers.1.self_attn.k_norm"]["plain"]
-    assert model.config.attn_implementation == GUARD
+    config = model.config
+    swap_norms(model, "rms")
+    swap_norms(model, None, qk_norm="mrs")
+    assert model.config is config and RECORD_KEY not in vars(config)  # nothing kept on the config
     model.save_pretrained(tmp_path)
+    layers = json.loads((tmp_path / "config.json").read_text())[RECORD_KEY]["layers"]
+    assert layers["model.norm"] == dict(kind="rms", channel_dim=-1, spatial=None, eps=1e-6,
+                                        **{"from": "LlamaRMSNorm: rms(x) * w, eps=1e-06"})
+    assert layers["model.layers.1.self_attn.k_norm"]["qk"]
     again = from_pretrained(tmp_path, attn_implementation="eager")
     ids = token_batch()
     with torch.no_grad():

@@ -11,6 +11,7 @@ import torch
 
 from helpers.hf import tiny_causal_lm, tiny_config, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms
+from lightning_mrs.swap.hf_format import saved_config
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,8 @@ def test_a_norm_mismatch_is_an_error_even_when_ignoring_sizes(tmp_path):
 def test_a_state_dict_and_a_config_without_a_directory(family, options, extra):
     model = tiny_causal_lm(family)
     swap_norms(model, **options)
-    again = from_pretrained(None, config=model.config, state_dict=model.state_dict(), **extra)
+    # the config save_pretrained would write (AutoConfig.from_pretrained of the directory, trust_remote_code=True)
+    again = from_pretrained(None, config=saved_config(model), state_dict=model.state_dict(), **extra)
     dtype = extra.get("dtype", torch.float32)
     reference = copy.deepcopy(model).to(dtype)
     assert dict(again.named_parameters()).keys() == dict(reference.named_parameters()).keys()
@@ -102,14 +104,16 @@ def test_a_state_dict_and_a_config_without_a_directory(family, options, extra):
         torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
 
 
-def test_a_config_without_the_record_refuses_the_swapped_weights():
-    """The config copied before the swap has no record: transformers would drop the QK-norm weights
-    as unexpected (a model without them, silently); refused, naming them and the fix."""
+@pytest.mark.parametrize("copied", [True, False], ids=["copied-before", "the-model's"])
+def test_a_config_without_the_record_refuses_the_swapped_weights(copied):
+    """A config copied before the swap, or the swapped model's own (the record is written at save time,
+    never kept on it), has no record: transformers would drop the QK-norm weights as unexpected (a model
+    without them, silently); refused, naming them and the fix."""
     model = tiny_causal_lm("llama")
     config = copy.deepcopy(model.config)
     swap_norms(model, None, qk_norm="mrs")
-    with pytest.raises(ValueError, match=r"q_norm\.weight.*config=model\.config"):
-        from_pretrained(None, config=config, state_dict=model.state_dict())
+    with pytest.raises(ValueError, match=r"q_norm\.weight.*config=AutoConfig\.from_pretrained\(directory, trust_remote_code=True\)"):
+        from_pretrained(None, config=config if copied else model.config, state_dict=model.state_dict())
 
 
 @pytest.mark.parametrize("name", ["./missing/dir", "missing/dir/", "/no/such/model", "a/b/c"])

@@ -1,5 +1,5 @@
 """A subclass of a transformers model (a user's own ``class MyLlama(LlamaForCausalLM)``) is a
-transformers model: its swap is recorded in its config, and its directory loads back swapped."""
+transformers model: it saves as its transformers base swapped, and its directory loads back swapped."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from helpers.hf import tiny_config, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms
-from lightning_mrs.swap.hf_record import GUARD, RECORD_KEY
+from lightning_mrs.swap.hf_format import RECORD_KEY, live_layers
 
 
 class MyLlama(transformers.LlamaForCausalLM):
@@ -32,22 +32,23 @@ def test_a_swapped_subclass_saves_its_record_and_loads_back(tmp_path, options):
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert set(saved[RECORD_KEY]["layers"]) == {*report.changes, *report.qk_added}
-    assert saved["attn_implementation"] == GUARD  # a plain load refuses instead of building another model
-    again = from_pretrained(tmp_path, auto_class=transformers.LlamaForCausalLM).eval()
+    assert saved["architectures"] == ["LightningMRSLlamaForCausalLM"] and saved["model_type"] == "lightning_mrs_llama"
     ids = token_batch()
-    with torch.no_grad():
-        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
     kinds = {n: type(m) for n, m in model.named_modules() if n.endswith("norm")}
-    assert kinds == {n: type(m) for n, m in again.named_modules() if n.endswith("norm")}
+    for again in (from_pretrained(tmp_path).eval(), from_pretrained(tmp_path, auto_class=transformers.LlamaForCausalLM).eval()):
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+        assert kinds == {n: type(m) for n, m in again.named_modules() if n.endswith("norm")}
 
 
 def test_a_peft_wrapper_is_not_taken_for_the_transformers_model():
     """PEFT's ``PeftModel`` derives from transformers' ``PushToHubMixin`` and forwards ``config``: the
-    record still goes into the wrapped transformers model's config, with names relative to it."""
+    wrapped transformers model is the one that saves the swap, with names relative to it."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(tiny_config("llama")).eval()
     wrapped = peft.get_peft_model(base, peft.LoraConfig(target_modules=["q_proj"], task_type="CAUSAL_LM"))
     swap_norms(wrapped, "mrs")
-    names = set(getattr(base.config, RECORD_KEY)["layers"])
+    assert type(base).__name__ == "LightningMRSLlamaForCausalLM"
+    names = set(live_layers(base))
     assert names and names <= {n for n, _ in base.named_modules()}, sorted(names)[:3]

@@ -13,7 +13,7 @@
 ``rewire.py``    point every reference to an old layer at its replacement
 ``layer_record.py`` one norm layer as data (a checkpoint's or config.json's record)
 ``spec.py``      a swapped model's norms as data (checkpoints), rebuilt on a fresh model
-``hf_record.py`` the swap of a transformers model recorded in its config (``save_pretrained``)
+``hf_format.py`` a swapped transformers model saved as a custom model (``save_pretrained``)
 ================ =============================================================
 
 Attention layers (QK-norms, ``qk_norm``): ``attention.py`` finds them and plans the QK-norms

@@ -1,5 +1,5 @@
 """The public ``swap_norms``: the engine's swap, then a swapped transformers model made a class
-that transformers can save and load by itself (:mod:`lightning_mrs.swap.modeling_lightning_mrs`).
+that saves in transformers' custom-model format (:mod:`lightning_mrs.swap.hf_format`).
 
 The engine (:mod:`lightning_mrs.swap.engine`) knows nothing of that class: the class rebuilds a
 model through the engine (:func:`lightning_mrs.swap.spec.rebuild`), so the engine cannot depend on it.
@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_mrs.swap import engine
 from lightning_mrs.swap.calibrate import Calibration
-from lightning_mrs.swap.modeling_lightning_mrs import adopt
+from lightning_mrs.swap.hf_format import adopt
 from lightning_mrs.swap.options import SwapOptions
 from lightning_mrs.swap.report import SwapReport
 
@@ -25,5 +25,6 @@ __all__ = ["swap_norms"]
 def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", *,
                calibration: Optional[Calibration] = None, **options: Any) -> SwapReport:
     report = engine.swap_norms(model, target, calibration=calibration, **options)
-    adopt(model)
+    if report.changes or report.qk_added:
+        adopt(model)
     return report

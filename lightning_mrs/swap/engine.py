@@ -18,7 +18,6 @@ from lightning_mrs.swap.build import Plan, build_replacement, offloaded, plan_re
 from lightning_mrs.swap.calibrate import Calibration, calibrate, check_runs
 from lightning_mrs.swap.fx_calls import refuse_norm_calls
 from lightning_mrs.swap.options import SwapOptions, check_model
-from lightning_mrs.swap.hf_record import record_in_configs
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport, by_reason, check_report
 from lightning_mrs.swap.rewire import rewire
@@ -177,7 +176,6 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     if calibration is not None:
         _calibrate(model, report, [(name, old, new_modules[key], spec) for key, (name, old, spec, _) in plans.items()],
                    calibration)
-    record_in_configs(model, report, {name: (old, new_modules[key]) for key, (name, old, *_) in plans.items()})
     _say_if_nothing(model, report, found)
     return report
 

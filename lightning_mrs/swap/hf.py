@@ -45,9 +45,9 @@ KNOWN_NORMS: dict[str, tuple[tuple[str, str], Optional[float]]] = {
 def is_transformers(module: object) -> bool:
     """``module``'s class (a module's, a config's) comes from the transformers package, without
     importing it: the one test of the project (the swap, the attention finder, the config record).
-    A swapped model's ``LightningMRS<Base>`` class (:mod:`lightning_mrs.swap.modeling_lightning_mrs`)
-    counts as its base's."""
-    cls = getattr(type(module), "_lightning_mrs_base", None) or type(module)
+    A swapped model's ``LightningMRS<Base>`` class (:mod:`lightning_mrs.swap.hf_format`) counts as
+    the class it extends."""
+    cls = getattr(type(module), "_lightning_mrs_own", None) or type(module)
     return cls.__module__.startswith("transformers.")
 
 

@@ -4,8 +4,8 @@
 -last; per sample or per position), eps; ``"qk": True`` for an attention QK-norm; ``"from"``: the
 class and formula of the probed norm it replaced (a transformers ``*RMSNorm``); ``"offset"`` for an
 :class:`~lightning_mrs.swap.layers.OffsetRMSNorm`. :mod:`lightning_mrs.swap.spec` lists a model's
-records and rebuilds them; :mod:`lightning_mrs.swap.hf_record` writes them into a transformers
-config.
+records and rebuilds them; :mod:`lightning_mrs.swap.hf_format` writes them into the config a
+transformers model saves.
 
 Example:
     >>> from lightning_mrs import MRSNorm, norm_spec

@@ -108,7 +108,7 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
     Args:
         model: a freshly built model of the class that was swapped.
         target: the target of the recorded swap, or ``None``: each record's kind says what it
-            became (a transformers config's record, :mod:`lightning_mrs.swap.hf_record`).
+            became (a transformers config's record, :mod:`lightning_mrs.swap.hf_format`).
         records: what :func:`describe_layers` gave for the swapped model.
 
     Raises:

@@ -31,7 +31,7 @@ import transformers
 from torch import nn
 
 import lightning_mrs
-from lightning_mrs.swap.hf_record import RECORD_KEY
+from lightning_mrs.swap.hf_format import RECORD_KEY, live_layers, saved_config
 
 from helpers.hf_suite_selected import SELECTED, VARIANTS
 
@@ -66,15 +66,15 @@ def swapped(base: type, variant: str) -> type:
         config = kwargs.get("config")
         if options and isinstance(config, transformers.PretrainedConfig) and RECORD_KEY not in config.to_dict():
             # a config object given to this class is this class's config: it carries the class's swap,
-            # as the config of a model this class built does (the record is what our loader reads)
-            kwargs["config"] = cls(copy.deepcopy(config)).config
+            # as the config a model of this class saves does (the record is what our loader reads)
+            kwargs["config"] = saved_config(cls(copy.deepcopy(config)))
         loaded = lightning_mrs.from_pretrained(pretrained_model_name_or_path, *args, auto_class=base, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         # the norm layers a fresh construction from the loaded config builds (the loaded model must have them)
         fresh = cls(copy.deepcopy(model.config))
         kinds, want = _layer_kinds(model), _layer_kinds(fresh)
         _record({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0], "class": base.__name__,
-                 "variant": variant, "recorded": RECORD_KEY in model.config.to_dict(), "norms": len(want),
+                 "variant": variant, "recorded": bool(live_layers(model)), "norms": len(want),
                  "kinds": sorted(set(kinds.values())),
                  "differ": sorted(n for n in set(kinds) | set(want) if kinds.get(n) != want.get(n))})
         return loaded

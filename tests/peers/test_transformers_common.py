@@ -57,12 +57,12 @@ _MISSING = "do not fit the norm layers rebuilt from its lightning_mrs record"
 #: state_dict is empty (test_can_init_all_missing_weights): a swapped norm whose weights are missing
 #: is an error naming it, never a silent re-initialisation (transformers re-initialises them);
 #: test_load_with_mismatched_shapes loads the saved directory with transformers' plain
-#: ``AutoModel*.from_pretrained`` (not the class's), which the guard in config.json refuses for a swap
-#: transformers' classes cannot rebuild (mrs, layer; an rms swap of these families loads as saved).
+#: ``AutoModel*.from_pretrained`` (not the class's) without ``trust_remote_code=True``, which transformers
+#: refuses for a custom model (a swapped model saves as one), with its own message.
 REFUSED = {
     "test_model_weights_reload_no_missing_tied_weights": _MISSING,
     "test_can_init_all_missing_weights": _MISSING,
-    "test_load_with_mismatched_shapes": "load with lightning_mrs.from_pretrained, or with trust_remote_code=True",
+    "test_load_with_mismatched_shapes": "contains custom code which must be executed",
 }
 
 

@@ -3,9 +3,9 @@
 ``save_pretrained`` writes ``modeling_lightning_mrs.py`` beside the weights and ``config.json``'s
 ``auto_map`` names it, so transformers' Auto classes (``trust_remote_code=True``), ``pipeline``,
 PEFT's ``AutoPeftModelForCausalLM`` and lm-evaluation-harness's ``hf`` model build the swapped model
-and give the saved model's logits bit for bit; without ``trust_remote_code`` a plain load refuses
-with a message naming both ways in, never loading other weights; directories saved before this
-format still load with ``lightning_mrs.from_pretrained``.
+and give the saved model's logits bit for bit; without ``trust_remote_code`` transformers refuses
+with its own message for custom code, never loading other weights; directories saved by
+lightning-mrs 0.2.0 (record format 1) are refused in one line.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from helpers.hf import tiny_causal_lm, token_batch, transformers
-from lightning_mrs import from_pretrained, swap_norms
-from lightning_mrs.swap.modeling_lightning_mrs import PREFIX
+from lightning_mrs import from_pretrained, swap_norms, transformers_class
+from lightning_mrs.swap.hf_format import PREFIX, auto_map
 
 CASES = [
     ("llama", {}, dict(target="mrs")),
@@ -29,7 +29,7 @@ CASES = [
     ("gemma3_text", {}, dict(target="mrs", qk_norm="mrs")),
     ("gpt2", {}, dict(target="layer", qk_norm="rms")),
 ]
-#: the guard's message before this format (lightning-mrs 0.2.0's directories hold it)
+#: the guard lightning-mrs 0.2.0 wrote into config.json (record format 1)
 OLD_GUARD = "lightning_mrs (norms swapped by lightning-mrs: load with lightning_mrs.from_pretrained)"
 
 
@@ -67,18 +67,17 @@ def test_auto_classes_load_the_swapped_model_with_trust_remote_code(tmp_path, fa
     assert saved["auto_map"]["AutoModelForCausalLM"] == f"modeling_lightning_mrs.{type(model).__name__}"
     assert (path / "modeling_lightning_mrs.py").is_file()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-    assert type(loaded).__module__.startswith("transformers_modules.")  # the code saved beside the weights ran
+    assert type(loaded) is transformers_class(type(model).__name__)  # what the saved file resolves it to
     _same_model(loaded, model)
 
 
 @pytest.mark.parametrize("trust", [None, False])
-def test_without_trust_remote_code_a_plain_load_refuses(tmp_path, trust):
+def test_without_trust_remote_code_transformers_refuses_with_its_own_message(tmp_path, trust):
     model, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
     kwargs = {} if trust is None else {"trust_remote_code": trust}
-    with pytest.raises(ValueError, match=r"lightning_mrs\.from_pretrained, or with trust_remote_code=True"):
-        transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    with pytest.raises(ValueError, match="trust_remote_code=True"):  # the family's class, named directly
-        transformers.LlamaForCausalLM.from_pretrained(path)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoConfig):
+        with pytest.raises(ValueError, match=r"contains custom code which must be executed(.|\n)*trust_remote_code=True"):
+            auto.from_pretrained(path, **kwargs)
 
 
 def test_lightning_mrs_from_pretrained_runs_the_installed_code_not_the_saved_file(tmp_path):
@@ -96,8 +95,11 @@ def test_a_classification_head_saves_under_its_own_auto_class(tmp_path):
     model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
     swap_norms(model, "mrs")
     model.save_pretrained(tmp_path)
-    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
-    assert auto_map == {"AutoModelForSequenceClassification": "modeling_lightning_mrs.LightningMRSLlamaForSequenceClassification"}
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LightningMRSLlamaForSequenceClassification"]
+    assert saved["auto_map"] == auto_map(transformers.LlamaConfig)  # every head of the family, as for the causal LM
+    assert saved["auto_map"]["AutoModelForSequenceClassification"] == (
+        "modeling_lightning_mrs.LightningMRSLlamaForSequenceClassification")
     loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True)
     loaded.config._attn_implementation = model.config._attn_implementation
     ids = token_batch()
@@ -151,26 +153,16 @@ def test_lm_evaluation_harness_opens_the_directory(tmp_path):
         assert torch.equal(lm._model_call(ids), model(ids).logits)
 
 
-def test_a_directory_saved_before_this_format_still_loads(tmp_path):
-    model, path = _saved(tmp_path, "llama", {}, dict(target="mrs", qk_norm="mrs"))
+def test_a_directory_saved_by_0_2_0_is_refused_in_one_line(tmp_path):
+    """lightning-mrs 0.2.0 (unreleased) kept the family's model_type, a format-1 record and a guard."""
+    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs", qk_norm="mrs"))
     saved = json.loads((path / "config.json").read_text())
-    del saved["auto_map"]
-    saved["attn_implementation"] = OLD_GUARD
-    saved["architectures"] = ["LlamaForCausalLM"]
+    saved.update(model_type="llama", attn_implementation=OLD_GUARD, architectures=["LightningMRSLlamaForCausalLM"])
+    saved["lightning_mrs"].update(format=1, version="0.2.0")
     (path / "config.json").write_text(json.dumps(saved))
-    (path / "modeling_lightning_mrs.py").unlink()
-    _same_model(from_pretrained(path), model)
-
-
-def test_a_record_of_another_format_is_refused_by_both_ways_in(tmp_path):
-    _, path = _saved(tmp_path, "llama", {}, dict(target="mrs"))
-    saved = json.loads((path / "config.json").read_text())
-    saved["lightning_mrs"]["format"] = 2
-    (path / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match=r"saved'?: config.json's lightning_mrs record has format 2; .*upgrade lightning-mrs"):
+    with pytest.raises(ValueError, match=r"^'[^\n]*saved': config.json's lightning_mrs record has format 1 \(lightning-mrs "
+                                         r"0\.2\.0, before the custom-model format\), which this release does not read"):
         from_pretrained(path)
-    with pytest.raises(ValueError, match=r"^config.json's lightning_mrs record has format 2; .*upgrade lightning-mrs"):
-        transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 
 def test_a_swapped_model_pickles_and_copies_as_its_class():
