@@ -74,20 +74,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor, OutlierMonitor
-from recipes.common.last_checkpoint import LastCheckpoint
 from recipes.text.byte_lm import ByteLM, FSDP2Strategy
 from recipes.text.causal_lm import require_transformers
 from recipes.common.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
 from recipes.common.errors import UsageError
 from recipes.common.hparams import FINAL, HParamsSummary, RunLogger
 from recipes.text.export import ExportHF
-from recipes.common.interrupt import SaveOnInterrupt, run_resumable
+from recipes.common.interrupt import resume_callbacks, run_resumable
 from recipes.text.pretrained import check_vocab
 from recipes.text.data import TextDataModule
 from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, cpu_fp16, default_precision,
@@ -169,11 +168,10 @@ class LMCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")  # last.ckpt at every validation
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")  # the best; last.ckpt: resume_callbacks()
         parser.set_defaults({
             "checkpoint.monitor": "val/loss",
             "checkpoint.mode": "min",
-            "checkpoint.save_last": True,
             "checkpoint.filename": "best-step{step:06d}-bpb_{val/bpb:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
@@ -322,7 +320,7 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
             "gradient_clip_val": 1.0,
             "log_every_n_steps": 10,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY),
-                          SaveOnInterrupt()],
+                          *resume_callbacks()],
         },
         save_config_kwargs={"overwrite": True},
     )
