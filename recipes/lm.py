@@ -47,8 +47,8 @@ TensorBoard's HParams dashboard.
 
 Resuming (``--ckpt_path``): the options that define the model (:data:`RESUME`) must be those the
 checkpoint was trained with (else one error line names them); the others may change and are named
-in one notice line. Ctrl-C finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints the
-command that resumes and exits 130; the resumed run ends where the uninterrupted one would have.
+in one notice line. Ctrl-C (or SIGTERM) finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints
+the command that resumes and exits 130 (143); the resumed run ends where the uninterrupted one would have.
 A crash saves ``crash.ckpt`` when it can (:mod:`recipes.common.interrupt`) and fails as usual.
 
 A user mistake (an unknown ``--model.arch`` or config field, an inconsistent config, a requested

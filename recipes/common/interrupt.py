@@ -181,12 +181,17 @@ class ResumableExceptionCheckpoint(Callback):
         self._pending = 0  # batches trained since the last optimizer step (their gradients are not saved)
         self._step_at_batch_start = 0
         self._stepping = False  # the optimizer's step of this batch has begun
+        self._training = False  # between on_train_start and on_train_end: there is a state to save
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.saved, self.step, self.unsaved_reason, self.exception = None, None, None, None
-        self._pending, self._stepping = 0, False
+        self._pending, self._stepping, self._training = 0, False, True
         self._remember_position(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training = False
 
     def _remember_position(self, trainer: pl.Trainer) -> None:
         loader = trainer.train_dataloader
@@ -227,8 +232,8 @@ class ResumableExceptionCheckpoint(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.exception = exception
-        if self.saved is not None or trainer.state.fn != "fit" or trainer.sanity_checking:
-            return
+        if not self._training or self.saved is not None or trainer.sanity_checking:
+            return  # before training (nothing to resume) or after it (its own checkpoints are there)
         self.step = trainer.global_step
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         trained = progress.processed > progress.completed  # Lightning counts this batch as done on resume
@@ -241,7 +246,11 @@ class ResumableExceptionCheckpoint(Callback):
             trainer.train_dataloader.load_state_dict(self._position)
         stopped = isinstance(exception, (KeyboardInterrupt, SIGTERMException))
         path = os.path.join(checkpoint_dir(trainer), "last.ckpt" if stopped else "crash.ckpt")
-        trainer.save_checkpoint(path)
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as err:  # the run's own error stays the one raised
+            self.unsaved_reason = f"writing {path} failed: {type(err).__name__}: {err}"
+            return
         self.saved = path
 
     def resume_hint(self, script: str, args: Sequence[str], *, last: Optional[str] = None) -> str:

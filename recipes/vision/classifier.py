@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -163,6 +163,18 @@ class ImageClassifier(pl.LightningModule):
         if self.val_top5 is not None:
             self.val_top5(logits, y)
             self.log("val/top5", self.val_top5)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint of the recipe before its loader was torchdata's StatefulDataLoader holds the epoch's position
+        # as {"epoch", "samples"}, which that loader cannot read (an AssertionError): the epoch's order restarts
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        states = loop.get("combined_loader") or []
+        if any(set(state) == {"epoch", "samples"} for state in states):
+            del loop["combined_loader"]
+            rank_zero_warn("this checkpoint was written before the image recipe's training loader saved its own state: "
+                           "the resumed epoch's order starts anew (the rest of the run is not the uninterrupted "
+                           "run's batches); resume with the release that wrote it for that.")
 
     def _factor(self, step: int) -> float:
         """The lr factor of ``step`` on the run's schedule (1 until :meth:`on_train_start` knows its length)."""

@@ -111,5 +111,4 @@ if __name__ == "__main__":
     fault = os.environ.get("FAULT")
     kind, at = fault.split("@") if fault else (None, "0")
     inject(module, ValidateAtEnd, kind, int(at), os.environ["RECORD"])
-    sys.argv = [f"recipes/{name}.py", *args]
-    sys.exit(run(args))
+    sys.exit(run(args))  # sys.argv stays this script's: Lightning's launcher re-runs it for the other ranks

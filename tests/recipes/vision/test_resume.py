@@ -173,3 +173,17 @@ def test_step_seed_makes_a_steps_draws_a_function_of_epoch_and_batch() -> None:
     assert not torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first)
     seed.on_train_batch_start(SimpleNamespace(global_rank=1, current_epoch=2), None, None, 7)  # type: ignore[arg-type]
     assert not torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first)
+
+
+def test_a_checkpoint_with_the_old_position_restarts_the_epoch_and_says_so() -> None:
+    """The position main saved before the StatefulDataLoader ({"epoch", "samples"}) would fail inside torchdata."""
+    from recipes.vision.classifier import ImageClassifier
+
+    model = ImageClassifier(arch="timm:test_resnet", num_classes=10)
+    old = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"epoch": 0, "samples": 24}]}}}}
+    with pytest.warns(UserWarning, match="the resumed epoch's order starts anew"):
+        model.on_load_checkpoint(old)
+    assert "combined_loader" not in old["loops"]["fit_loop"]["state_dict"]
+    new = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"_num_yielded": 3}]}}}}
+    model.on_load_checkpoint(new)  # today's state: kept, silently
+    assert new["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"_num_yielded": 3}]
