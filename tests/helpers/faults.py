@@ -103,7 +103,7 @@ def recipe(name: str) -> tuple[Callable[[Optional[list[str]]], int], type]:
 
 if __name__ == "__main__":
     root = Path(__file__).resolve().parents[2]
-    sys.path[:0] = [str(root), str(root / "tests")]
+    sys.path[0:1] = [str(root), str(root / "tests")]  # not tests/helpers: its lightning.py would hide Lightning
     from recipes.common.training import ValidateAtEnd
 
     name, args = sys.argv[1], sys.argv[2:]
