@@ -1,24 +1,26 @@
 """Nothing lost on Ctrl-C, SIGTERM or a crash, through Lightning's own mechanisms, and the command that resumes.
 
-* :class:`StopAtStep`: the first Ctrl-C (or a SIGTERM, which Lightning records as
-  ``trainer.received_sigterm``) is a request: the step running finishes, every process of a
-  multi-process run agrees on the same step, and the fit stops before the next batch as Lightning
-  stops on Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SIGTERMException``). A second Ctrl-C stops
-  at once.
-* :class:`ResumableExceptionCheckpoint`: what Lightning's ``OnExceptionCheckpoint`` does (``on_exception``:
-  ``trainer.save_checkpoint``), in the run's checkpoint directory (``last.ckpt`` on a stop,
-  ``crash.ckpt`` on a failure), saving only what resumes as the uninterrupted run: a batch fetched but not trained (``training_step`` raised)
-  is given back to the stateful training loader before the save, since Lightning's own counters
-  roll that batch back on resume (else the resumed run skips it and every later batch shifts);
-  it saves nothing, and says why, in the middle of a gradient accumulation, during the optimizer's
-  step, or when one process of several failed.
+:class:`SaveOnInterrupt` makes the first Ctrl-C of a fit (or a SIGTERM, which Lightning records as
+``trainer.received_sigterm``) a request: the step running finishes, every process of a
+multi-process run agrees on the same step, and the fit stops before the next batch as Lightning
+stops on Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SIGTERMException``); a second Ctrl-C stops
+at once. On any exception it does what Lightning's ``OnExceptionCheckpoint`` does
+(``trainer.save_checkpoint``), beside the run's other checkpoints (``last.ckpt`` after a stop,
+``crash.ckpt`` after a failure), when the checkpoint resumes as the uninterrupted run: a batch
+fetched but not trained (``training_step`` raised, or the stop came before it) is given back to
+the stateful training loader first, since Lightning's own counters roll that batch back on resume;
+nothing is saved, and the reason is said, in the middle of a gradient accumulation, during the
+optimizer's step, or when one process of several failed. :func:`run_resumable` then prints
+:meth:`SaveOnInterrupt.resume_hint` and exits 130 (Ctrl-C), 143 (SIGTERM) or with the crash's usual
+failure (the error raised again).
 
-:func:`run_resumable` fits a recipe, prints :meth:`ResumableExceptionCheckpoint.resume_hint` and exits
-130 (Ctrl-C), 143 (SIGTERM) or with the crash's usual failure (the error raised again).
+Not an ``OnExceptionCheckpoint``: a trainer holding one turns ``fit(ckpt_path=None)`` into
+``ckpt_path="last"`` (Lightning's ``_parse_ckpt_path``), so a new run would silently start from the
+newest ``last.ckpt`` it finds.
 
 Example:
-    >>> saver = ResumableExceptionCheckpoint()
-    >>> saver.saved is None and saver.unsaved_reason is None
+    >>> saver = SaveOnInterrupt()
+    >>> saver.saved is None and not saver.requested
     True
 """
 
@@ -39,11 +41,9 @@ from typing_extensions import override
 
 from recipes.common.errors import UsageError, report
 
-__all__ = ["ResumableExceptionCheckpoint", "StopAtStep", "last_checkpoint", "resume_callbacks", "resume_command",
-           "run_resumable"]
+__all__ = ["SaveOnInterrupt", "last_checkpoint", "resume_callbacks", "resume_command", "run_resumable"]
 
-#: the exit status of a run stopped by Ctrl-C and by SIGTERM (128 + the signal's number, as a shell reports it)
-EXIT_CTRL_C, EXIT_SIGTERM = 130, 143
+STOPS = (KeyboardInterrupt, SIGTERMException)
 
 
 def resume_command(script: str, args: Sequence[str], ckpt_path: str) -> str:
@@ -65,24 +65,33 @@ def resume_command(script: str, args: Sequence[str], ckpt_path: str) -> str:
     return shlex.join(["python", script, *kept, "--ckpt_path", ckpt_path])
 
 
-class StopAtStep(Callback):
-    """Ctrl-C or SIGTERM: finish the step, then stop the fit before the next batch (a second Ctrl-C: at once).
+class SaveOnInterrupt(Callback):
+    """On Ctrl-C or SIGTERM, finish the step, save a resumable checkpoint and stop; on a crash, save what resumes.
 
     Attributes:
         requested: a Ctrl-C arrived (this process).
-
-    Example:
-        >>> StopAtStep().requested
-        False
+        exception: the exception that ended the fit (``None``: none).
+        saved: the checkpoint written on it (``None``: none).
+        step: the optimizer step the checkpoint holds (or the run had reached).
+        unsaved_reason: why nothing was written.
     """
 
     def __init__(self) -> None:
         self.requested = False
-        self.raised: Optional[BaseException] = None  # the stop this callback raised
+        self.exception: Optional[BaseException] = None
+        self.saved: Optional[str] = None
+        self.step: Optional[int] = None
+        self.unsaved_reason: Optional[str] = None
         self._previous: Any = None
-        self._step_at_batch_start = 0
+        self._training = False  # between on_train_start and on_train_end: a state to save
         self._stop: Optional[BaseException] = None  # raised before the next batch or validation
+        self._raised: Optional[BaseException] = None  # the stop raised (a second Ctrl-C is another exception)
+        self._position: Any = None  # the training loader's state after the last batch trained
+        self._pending = 0  # batches trained since the last optimizer step (their gradients are in no checkpoint)
+        self._step_at_batch_start = 0
+        self._stepping = False  # this batch's optimizer step has begun
 
+    # ------------------------------------------------------------------ Ctrl-C and SIGTERM: a request
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
@@ -91,111 +100,21 @@ class StopAtStep(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.requested, self.raised, self._stop = False, None, None
+        self.requested, self.exception, self.saved, self.step, self.unsaved_reason = False, None, None, None, None
+        self._training, self._stop, self._raised, self._pending, self._stepping = True, None, None, 0, False
+        self._remember_position(trainer)
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
 
-    def restore_handler(self) -> None:
-        """Give Ctrl-C back to the handler it had before the fit."""
+    def _restore_handler(self) -> None:
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.restore_handler()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.restore_handler()
-
-    @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        self._stop_now()
-        self._step_at_batch_start = trainer.global_step
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step == self._step_at_batch_start:
-            return  # inside a gradient accumulation: the step boundary comes later
-        sigint, sigterm = self.requested, bool(trainer.received_sigterm)
-        if trainer.world_size > 1:  # every process stops after the same step
-            sigint = trainer.strategy.reduce_boolean_decision(sigint, all=False)
-            sigterm = trainer.strategy.reduce_boolean_decision(sigterm, all=False)
-        if (sigint or sigterm) and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
-            # raised once this step's own logging is done, before anything of the next step trains; the
-            # batch then fetched is given back to the loader by ResumableExceptionCheckpoint
-            self._stop = KeyboardInterrupt() if sigint else SIGTERMException()
-
-    def _stop_now(self) -> None:
-        if self._stop is not None:
-            self.raised, self._stop = self._stop, None
-            raise self.raised
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop_now()
-
-
-def resume_callbacks() -> list[Callback]:
-    """A recipe's resume: ``last.ckpt`` at every validation (Lightning's ``ModelCheckpoint`` keeping the latest:
-    ``monitor=None``, not the best's ``save_last``, which 2.6 rewrites only with a new best), the stop on
-    Ctrl-C/SIGTERM and the checkpoint on an exception."""
-    latest = ModelCheckpoint(filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
-    return [latest, StopAtStep(), ResumableExceptionCheckpoint()]
-
-
-def last_checkpoint(trainer: pl.Trainer) -> Optional[str]:
-    """The newest ``last.ckpt`` the run's ``ModelCheckpoint`` callbacks wrote (``None``: none yet)."""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            for path in (callback.last_model_path, callback.best_model_path if callback.monitor is None else ""):
-                if path and os.path.basename(path) == "last.ckpt" and os.path.isfile(path):
-                    return path
-    return None
-
-
-class ResumableExceptionCheckpoint(Callback):
-    """On an exception, ``trainer.save_checkpoint`` of a state whose resume equals the uninterrupted run.
-
-    The file goes beside the run's other checkpoints: ``last.ckpt`` after a stop (Ctrl-C, SIGTERM),
-    ``crash.ckpt`` after a failure. Not an ``OnExceptionCheckpoint``: a trainer holding one turns
-    ``fit(ckpt_path=None)`` into ``ckpt_path="last"`` (Lightning's ``_parse_ckpt_path``), so a new run
-    would silently start from the newest ``last.ckpt`` it finds; and it needs its directory before
-    the logger has made the run's.
-
-    Attributes:
-        saved: the checkpoint written (``None``: none).
-        step: the optimizer step it holds (or the run had reached).
-        unsaved_reason: why nothing was written.
-    """
-
-    def __init__(self) -> None:
-        self.saved: Optional[str] = None
-        self.step: Optional[int] = None
-        self.unsaved_reason: Optional[str] = None
-        self.exception: Optional[BaseException] = None
-        self._position: Any = None  # the training loader's state after the last batch trained
-        self._pending = 0  # batches trained since the last optimizer step (their gradients are not saved)
-        self._step_at_batch_start = 0
-        self._stepping = False  # the optimizer's step of this batch has begun
-        self._training = False  # between on_train_start and on_train_end: there is a state to save
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.saved, self.step, self.unsaved_reason, self.exception = None, None, None, None
-        self._pending, self._stepping, self._training = 0, False, True
-        self._remember_position(trainer)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._training = False
-
-    def _remember_position(self, trainer: pl.Trainer) -> None:
-        loader = trainer.train_dataloader
-        self._position = loader.state_dict() if hasattr(loader, "load_state_dict") else None
+        self._restore_handler()
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,6 +123,7 @@ class ResumableExceptionCheckpoint(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._stop_now()
         self._step_at_batch_start, self._stepping = trainer.global_step, False
 
     @override
@@ -213,15 +133,38 @@ class ResumableExceptionCheckpoint(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._pending = 0 if trainer.global_step != self._step_at_batch_start else self._pending + 1
         self._stepping = False
         self._remember_position(trainer)
+        if trainer.global_step == self._step_at_batch_start:
+            self._pending += 1
+            return  # inside a gradient accumulation: the step boundary comes later
+        self._pending = 0
+        sigint, sigterm = self.requested, bool(trainer.received_sigterm)
+        if trainer.world_size > 1:  # every process stops after the same step
+            sigint = trainer.strategy.reduce_boolean_decision(sigint, all=False)
+            sigterm = trainer.strategy.reduce_boolean_decision(sigterm, all=False)
+        if (sigint or sigterm) and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
+            # raised once this step's own logging is done, before anything of the next step trains
+            self._stop = KeyboardInterrupt() if sigint else SIGTERMException()
 
+    def _stop_now(self) -> None:
+        if self._stop is not None:
+            self._raised, self._stop = self._stop, None
+            raise self._raised
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_now()
+
+    def _remember_position(self, trainer: pl.Trainer) -> None:
+        loader = trainer.train_dataloader
+        self._position = loader.state_dict() if hasattr(loader, "load_state_dict") else None
+
+    # ------------------------------------------------------------------ the checkpoint on an exception
     def _unresumable(self, trainer: pl.Trainer, exception: BaseException, trained: bool) -> Optional[str]:
-        if isinstance(exception, KeyboardInterrupt) and not any(
-                isinstance(c, StopAtStep) and c.raised is exception for c in trainer.callbacks):
+        if isinstance(exception, KeyboardInterrupt) and exception is not self._raised:
             return "stopped at once (a second Ctrl-C, or one outside a training step)"
-        if trainer.world_size > 1 and not isinstance(exception, (KeyboardInterrupt, SIGTERMException)):
+        if trainer.world_size > 1 and not isinstance(exception, STOPS):  # the others may wait in a collective
             return "a multi-process run cannot save once one process has failed"
         if self._pending or (trained and trainer.global_step == self._step_at_batch_start):
             return "the failure came in the middle of a gradient accumulation, whose first batches' gradients are lost"
@@ -231,6 +174,7 @@ class ResumableExceptionCheckpoint(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_handler()
         self.exception = exception
         if not self._training or self.saved is not None or trainer.sanity_checking:
             return  # before training (nothing to resume) or after it (its own checkpoints are there)
@@ -241,11 +185,10 @@ class ResumableExceptionCheckpoint(Callback):
         if self.unsaved_reason is not None:
             return
         if not trained and self._position is not None:
-            # a batch fetched but not trained: Lightning rolls its counters back to the last batch trained,
-            # so the loader goes back there too (the resumed run trains that batch, as the uninterrupted did)
+            # a batch fetched, not trained: Lightning rolls its counters back to the last batch trained, so
+            # the loader goes back there too (the resumed run trains that batch, as the uninterrupted one did)
             trainer.train_dataloader.load_state_dict(self._position)
-        stopped = isinstance(exception, (KeyboardInterrupt, SIGTERMException))
-        path = os.path.join(checkpoint_dir(trainer), "last.ckpt" if stopped else "crash.ckpt")
+        path = os.path.join(checkpoint_dir(trainer), "last.ckpt" if isinstance(exception, STOPS) else "crash.ckpt")
         try:
             trainer.save_checkpoint(path)
         except Exception as err:  # the run's own error stays the one raised
@@ -267,28 +210,46 @@ class ResumableExceptionCheckpoint(Callback):
         return f"stopped{at} without a checkpoint{reason}{where}"
 
 
+def resume_callbacks() -> list[Callback]:
+    """A recipe's resume: ``last.ckpt`` at every validation (Lightning's ``ModelCheckpoint`` keeping the latest,
+    ``monitor=None``; the best's ``save_last`` is rewritten in 2.6 only with a new best) and
+    :class:`SaveOnInterrupt`."""
+    return [ModelCheckpoint(filename="last", monitor=None, save_top_k=1, enable_version_counter=False),
+            SaveOnInterrupt()]
+
+
+def last_checkpoint(trainer: pl.Trainer) -> Optional[str]:
+    """The newest ``last.ckpt`` the run's ``ModelCheckpoint`` callbacks wrote (``None``: none yet)."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            for path in (callback.last_model_path, callback.best_model_path if callback.monitor is None else ""):
+                if path and os.path.basename(path) == "last.ckpt" and os.path.isfile(path):
+                    return path
+    return None
+
+
 def checkpoint_dir(trainer: pl.Trainer) -> str:
     """The directory of the run's checkpoints (``<run>/checkpoints``)."""
     directory = getattr(trainer.checkpoint_callback, "dirpath", None)
     return directory or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
 
 
-def _saver(cli: Any) -> Optional[ResumableExceptionCheckpoint]:
+def _saver(cli: Any) -> Optional[SaveOnInterrupt]:
     trainer = getattr(cli, "trainer", None)
-    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, ResumableExceptionCheckpoint)), None)
+    return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
 
 
-def _hint(cli: Any, saver: ResumableExceptionCheckpoint, script: str, argv: list[str]) -> None:
+def _hint(cli: Any, saver: SaveOnInterrupt, script: str, argv: list[str]) -> None:
     if cli.trainer.is_global_zero:
         print(saver.resume_hint(script, argv, last=last_checkpoint(cli.trainer)), file=sys.stderr, flush=True)
 
 
 def run_resumable(build_cli: Callable[[Optional[list[str]]], Any], script: str,
                   args: Optional[list[str]] = None) -> int:
-    """Build a recipe's CLI (its trainer holding :class:`StopAtStep` and :class:`ResumableExceptionCheckpoint`)
-    and fit: user errors as one stderr line (exit 2); Ctrl-C and SIGTERM as a resumable stop, the checkpoint
-    saved and the command that resumes printed (exit 130, 143); a crash says what it saved and fails.
-    ``script``: the recipe's path as the resume command gives it (``recipes/lm.py``)."""
+    """Build a recipe's CLI (its trainer holding a :class:`SaveOnInterrupt`) and fit: user errors as one stderr
+    line (exit 2); Ctrl-C and SIGTERM as a resumable stop, the checkpoint saved and the command that resumes
+    printed (exit 130, 143); a crash says what it saved and fails. ``script``: the recipe's path as the resume
+    command gives it (``recipes/lm.py``)."""
     argv = list(sys.argv[1:] if args is None else args)
     cli: Any = None
     on_sigint = signal.getsignal(signal.SIGINT)
@@ -304,9 +265,9 @@ def run_resumable(build_cli: Callable[[Optional[list[str]]], Any], script: str,
         signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
         if saver is None:
             print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
-            return EXIT_CTRL_C
+            return 130
         _hint(cli, saver, script, argv)
-        return EXIT_SIGTERM if isinstance(saver.exception, SIGTERMException) else EXIT_CTRL_C
+        return 143 if isinstance(saver.exception, SIGTERMException) else 130  # 128 + the signal, as a shell says
     except Exception:
         saver = _saver(cli)
         if saver is not None and (saver.saved or saver.unsaved_reason):

@@ -67,7 +67,7 @@ def test_old_import_statements_and_pickles_give_the_new_classes() -> None:
 
     assert ImageClassifier is New and StepCSVLogger.__module__ == "recipes.common.hparams"
     # a pickle written before the regrouping names the class by its old module
-    assert pickle.loads(b"crecipes.interrupt\nStopAtStep\n.").__module__ == "recipes.common.interrupt"
+    assert pickle.loads(b"crecipes.interrupt\nSaveOnInterrupt\n.").__module__ == "recipes.common.interrupt"
 
 
 def test_an_old_class_path_on_the_command_line_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

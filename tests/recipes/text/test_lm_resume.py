@@ -234,9 +234,9 @@ def test_precision_line_names_gpt2s_activations(tmp_path: Path, lm: LMRun, preci
 
 
 def test_resume_hint_without_a_checkpoint_names_the_last_one() -> None:
-    from recipes.common.interrupt import ResumableExceptionCheckpoint
+    from recipes.common.interrupt import SaveOnInterrupt
 
-    saver = ResumableExceptionCheckpoint()
+    saver = SaveOnInterrupt()
     saver.step, saver.unsaved_reason = 7, "a multi-process run cannot save once one process has failed"
     assert saver.resume_hint("recipes/lm.py", ["--model.lr", "0.1"], last="run/last.ckpt") == (
         "stopped at step 7 without a checkpoint (a multi-process run cannot save once one process has failed); "
