@@ -1,7 +1,6 @@
 """Nothing lost on Ctrl-C, SIGTERM or a crash, through Lightning's own mechanisms, and the command that resumes.
 
-:class:`SaveOnInterrupt` makes the first Ctrl-C of a fit (or a SIGTERM, which Lightning records as
-``trainer.received_sigterm``) a request: the step running finishes, every process of a
+:class:`SaveOnInterrupt` makes the first Ctrl-C or SIGTERM of a fit a request: the step running finishes, every process of a
 multi-process run agrees on the same step, and the fit stops before the next batch as Lightning
 stops on Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SIGTERMException``); a second Ctrl-C stops
 at once. On any exception it does what Lightning's ``OnExceptionCheckpoint`` does
@@ -16,7 +15,10 @@ failure (the error raised again).
 
 Not an ``OnExceptionCheckpoint``: a trainer holding one turns ``fit(ckpt_path=None)`` into
 ``ckpt_path="last"`` (Lightning's ``_parse_ckpt_path``), so a new run would silently start from the
-newest ``last.ckpt`` it finds.
+newest ``last.ckpt`` it finds. Not Lightning's SIGTERM handler during training: it calls
+``dist.broadcast`` inside the handler, so a multi-process run whose processes all get the signal
+(as SLURM and torchrun send it) deadlocks; Lightning alone also stops a one-process run only at the
+epoch's end.
 
 Example:
     >>> saver = SaveOnInterrupt()
@@ -78,11 +80,12 @@ class SaveOnInterrupt(Callback):
 
     def __init__(self) -> None:
         self.requested = False
+        self.sigterm = False
         self.exception: Optional[BaseException] = None
         self.saved: Optional[str] = None
         self.step: Optional[int] = None
         self.unsaved_reason: Optional[str] = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         self._training = False  # between on_train_start and on_train_end: a state to save
         self._stop: Optional[BaseException] = None  # raised before the next batch or validation
         self._raised: Optional[BaseException] = None  # the stop raised (a second Ctrl-C is another exception)
@@ -98,18 +101,26 @@ class SaveOnInterrupt(Callback):
         print("\nCtrl-C: finishing this step, then saving a checkpoint to resume from (Ctrl-C again: stop at once, "
               "without it)", file=sys.stderr, flush=True)
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # instead of Lightning's handler during training: it broadcasts inside the handler, which deadlocks a
+        # multi-process run whose every process gets the signal (SLURM, torchrun; tests/recipes/test_resume_faults.py)
+        self.sigterm = True
+        print("\nSIGTERM: finishing this step, then saving a checkpoint to resume from", file=sys.stderr, flush=True)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.requested, self.exception, self.saved, self.step, self.unsaved_reason = False, None, None, None, None
+        self.requested, self.sigterm, self.exception, self.saved, self.step, self.unsaved_reason = False, False, None, None, None, None
         self._training, self._stop, self._raised, self._pending, self._stepping = True, None, None, 0, False
         self._remember_position(trainer)
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
+                              signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm)}
 
     def _restore_handler(self) -> None:
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self._previous = {}
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -139,7 +150,7 @@ class SaveOnInterrupt(Callback):
             self._pending += 1
             return  # inside a gradient accumulation: the step boundary comes later
         self._pending = 0
-        sigint, sigterm = self.requested, bool(trainer.received_sigterm)
+        sigint, sigterm = self.requested, self.sigterm or bool(trainer.received_sigterm)
         if trainer.world_size > 1:  # every process stops after the same step
             sigint = trainer.strategy.reduce_boolean_decision(sigint, all=False)
             sigterm = trainer.strategy.reduce_boolean_decision(sigterm, all=False)

@@ -102,6 +102,9 @@ def recipe(name: str) -> tuple[Callable[[Optional[list[str]]], int], type]:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR2)  # `kill -USR2 <pid>`: every thread's stack, when a test hangs
     root = Path(__file__).resolve().parents[2]
     sys.path[0:1] = [str(root), str(root / "tests")]  # not tests/helpers: its lightning.py would hide Lightning
     from recipes.common.training import ValidateAtEnd
