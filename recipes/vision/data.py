@@ -334,7 +334,9 @@ class ImageDataModule(pl.LightningDataModule):
         place = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
         sampler = EpochSampler(len(dataset), run_seed(), place.get("num_replicas", 1),  # type: ignore[arg-type]
                                place.get("rank", 0))
-        return StatefulDataLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch now says is deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            return StatefulDataLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:
