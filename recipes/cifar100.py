@@ -51,20 +51,19 @@ if not __package__:  # run as a script (`python recipes/cifar100.py`): import th
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
-from recipes.common.last_checkpoint import LastCheckpoint
 from recipes.common.checkpoints import check_checkpoint
 from recipes.vision.classifier import ImageClassifier
 from recipes.vision.data import ImageDataModule
 from recipes.common.errors import UsageError
 from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
-from recipes.common.interrupt import SaveOnInterrupt, run_resumable
+from recipes.common.interrupt import resume_callbacks, run_resumable
 from recipes.vision.models import check_input_size
 from recipes.vision.resume import StepSeed
 from recipes.common.training import (ValidateAtEnd, build_quietly, check_nodes, cpu_fp16, default_precision,
@@ -84,11 +83,10 @@ class CifarCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")  # last.ckpt at every validation
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")  # the best; last.ckpt: resume_callbacks()
         parser.set_defaults({
             "checkpoint.monitor": "val/top1",
             "checkpoint.mode": "max",
-            "checkpoint.save_last": True,
             "checkpoint.filename": "best-epoch{epoch:03d}-step{step:06d}-top1_{val/top1:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
@@ -150,7 +148,7 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
         trainer_defaults={
             "max_epochs": 200,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
-                          HParamsSummary(CLASSIFIER_SUMMARY), SaveOnInterrupt(), StepSeed()],
+                          HParamsSummary(CLASSIFIER_SUMMARY), *resume_callbacks(), StepSeed()],
         },
         save_config_kwargs={"overwrite": True},
     )

@@ -50,8 +50,8 @@ TensorBoard's HParams dashboard.
 
 Resuming (``--ckpt_path``): the options that define the model (:data:`RESUME`) must be those the
 checkpoint was trained with (else one error line names them); the others may change and are named
-in one notice line. Ctrl-C finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints the
-command that resumes and exits 130; the resumed run ends where the uninterrupted one would have.
+in one notice line. Ctrl-C (or SIGTERM) finishes the step, saves ``<run>/checkpoints/last.ckpt``, prints
+the command that resumes and exits 130 (143); the resumed run ends where the uninterrupted one would have.
 A crash saves ``crash.ckpt`` when it can (:mod:`recipes.common.interrupt`) and fails as usual.
 
 A user mistake (an unknown ``--model.arch`` or config field, an inconsistent config, a requested
@@ -77,20 +77,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor, OutlierMonitor
-from recipes.common.last_checkpoint import LastCheckpoint
 from recipes.text.byte_lm import ByteLM, FSDP2Strategy
 from recipes.text.causal_lm import require_transformers
 from recipes.common.checkpoints import DEFINES_MODEL, MAY_CHANGE, OptionsRecord, check_resume
 from recipes.common.errors import UsageError
 from recipes.common.hparams import FINAL, HParamsSummary, RunLogger
 from recipes.text.export import ExportHF
-from recipes.common.interrupt import SaveOnInterrupt, run_resumable
+from recipes.common.interrupt import resume_callbacks, run_resumable
 from recipes.text.pretrained import check_vocab
 from recipes.text.data import TextDataModule
 from recipes.common.training import (StepProgressBar, ValidateAtEnd, build_quietly, check_nodes, cpu_fp16,
@@ -172,11 +171,10 @@ class LMCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(LastCheckpoint, "checkpoint")  # last.ckpt at every validation
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")  # the best; last.ckpt: resume_callbacks()
         parser.set_defaults({
             "checkpoint.monitor": "val/loss",
             "checkpoint.mode": "min",
-            "checkpoint.save_last": True,
             "checkpoint.filename": "best-step{step:06d}-bpb_{val/bpb:.4f}",
             "checkpoint.auto_insert_metric_name": False,
         })
@@ -326,7 +324,7 @@ def build_cli(args: Optional[list[str]] = None) -> LMCLI:
             "gradient_clip_val": 1.0,
             "log_every_n_steps": 10,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(), HParamsSummary(LM_SUMMARY),
-                          SaveOnInterrupt()],
+                          *resume_callbacks()],
         },
         save_config_kwargs={"overwrite": True},
     )

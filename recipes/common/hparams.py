@@ -7,7 +7,7 @@ one such session with the metrics' values, at the end of a run; :class:`HParamsS
 callback that does it when ``fit`` ends, with final metrics reduced from what the run logged
 (the last ``val/top1``, its maximum, the mean ``phasor/all/grad_cv`` ...). A fit stopped by Ctrl-C
 or an error still gets its session, with what it measured up to then, the hyperparameter
-``ended`` ("interrupted", "failed: <error>"; "completed" otherwise) and the session's status
+``ended`` ("interrupted": Ctrl-C or SIGTERM, "failed: <error>"; "completed" otherwise) and the session's status
 "failure" in the dashboard.
 
 The final metrics are tagged ``z-final/<name>`` (:data:`FINAL`): TensorBoard's Time Series orders
@@ -38,6 +38,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 __all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "StepCSVLogger",
@@ -354,7 +355,8 @@ class HParamsSummary(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # nothing lost on a crash: the session of what was measured up to the interruption
         if trainer.state.fn == "fit":
-            ended = "interrupted" if isinstance(exception, KeyboardInterrupt) else f"failed: {type(exception).__name__}"
+            stopped = isinstance(exception, (KeyboardInterrupt, SIGTERMException))  # Ctrl-C, SIGTERM
+            ended = "interrupted" if stopped else f"failed: {type(exception).__name__}"
             self._log(trainer, pl_module, ended, "failure")
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ended: str, status: str) -> None:

@@ -1,15 +1,24 @@
-"""Nothing lost on Ctrl-C or a crash: a resumable checkpoint, where it is, and the command that resumes.
+"""Nothing lost on Ctrl-C, SIGTERM or a crash, through Lightning's own mechanisms, and the command that resumes.
 
-:class:`SaveOnInterrupt` makes the first Ctrl-C of a fit a request: the step running finishes (every
-process of a multi-process run agrees on the same step), a checkpoint is written beside the run's
-others (``<run>/checkpoints/last.ckpt``, at the step boundary, so resuming it gives the same
-result as a run that was never interrupted) and the fit stops as Lightning stops on Ctrl-C (the
-callbacks' ``on_exception``: the HParams record says ``ended: interrupted``). A second Ctrl-C
-stops at once, without a checkpoint. A crash (any other exception) in a one-process run saves
-``<run>/checkpoints/crash.ckpt`` when the model is at a step boundary (the failing step had not
-yet changed any weight: the crash came in its first batch's forward or backward), and says
-when it is not. The recipe then prints :meth:`SaveOnInterrupt.resume_hint` and
-exits 130 (an interruption) or with the crash's usual failure (the error is raised again).
+:class:`SaveOnInterrupt` makes the first Ctrl-C or SIGTERM of a fit a request: the step running finishes, every process of a
+multi-process run agrees on the same step, and the fit stops before the next batch as Lightning
+stops on Ctrl-C (``KeyboardInterrupt``) or SIGTERM (``SIGTERMException``); a second Ctrl-C stops
+at once. On any exception it does what Lightning's ``OnExceptionCheckpoint`` does
+(``trainer.save_checkpoint``), beside the run's other checkpoints (``last.ckpt`` after a stop,
+``crash.ckpt`` after a failure), when the checkpoint resumes as the uninterrupted run: a batch
+fetched but not trained (``training_step`` raised, or the stop came before it) is given back to
+the stateful training loader first, since Lightning's own counters roll that batch back on resume;
+nothing is saved, and the reason is said, in the middle of a gradient accumulation, during the
+optimizer's step, or when one process of several failed. :func:`run_resumable` then prints
+:meth:`SaveOnInterrupt.resume_hint` and exits 130 (Ctrl-C), 143 (SIGTERM) or with the crash's usual
+failure (the error raised again).
+
+Not an ``OnExceptionCheckpoint``: a trainer holding one turns ``fit(ckpt_path=None)`` into
+``ckpt_path="last"`` (Lightning's ``_parse_ckpt_path``), so a new run would silently start from the
+newest ``last.ckpt`` it finds. Not Lightning's SIGTERM handler during training: it calls
+``dist.broadcast`` inside the handler, so a multi-process run whose processes all get the signal
+(as SLURM and torchrun send it) deadlocks; Lightning alone also stops a one-process run only at the
+epoch's end.
 
 Example:
     >>> saver = SaveOnInterrupt()
@@ -27,13 +36,16 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from recipes.common.errors import UsageError, report
 
-__all__ = ["SaveOnInterrupt", "resume_command", "run_resumable"]
+__all__ = ["SaveOnInterrupt", "last_checkpoint", "resume_callbacks", "resume_command", "run_resumable"]
+
+STOPS = (KeyboardInterrupt, SIGTERMException)
 
 
 def resume_command(script: str, args: Sequence[str], ckpt_path: str) -> str:
@@ -56,55 +68,74 @@ def resume_command(script: str, args: Sequence[str], ckpt_path: str) -> str:
 
 
 class SaveOnInterrupt(Callback):
-    """On Ctrl-C, finish the step, save a resumable checkpoint and stop; on a crash, save what is resumable.
+    """On Ctrl-C or SIGTERM, finish the step, save a resumable checkpoint and stop; on a crash, save what resumes.
 
     Attributes:
         requested: a Ctrl-C arrived (this process).
-        saved: the checkpoint written on the interruption or crash (``None``: none).
+        exception: the exception that ended the fit (``None``: none).
+        saved: the checkpoint written on it (``None``: none).
         step: the optimizer step the checkpoint holds (or the run had reached).
-        unsaved_reason: why a crash wrote no checkpoint.
+        unsaved_reason: why nothing was written.
     """
 
     def __init__(self) -> None:
         self.requested = False
+        self.sigterm = False
+        self.exception: Optional[BaseException] = None
         self.saved: Optional[str] = None
         self.step: Optional[int] = None
         self.unsaved_reason: Optional[str] = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
+        self._training = False  # between on_train_start and on_train_end: a state to save
+        self._stop: Optional[BaseException] = None  # raised before the next batch or validation
+        self._raised: Optional[BaseException] = None  # the stop raised (a second Ctrl-C is another exception)
+        self._position: Any = None  # the training loader's state after the last batch trained
+        self._pending = 0  # batches trained since the last optimizer step (their gradients are in no checkpoint)
         self._step_at_batch_start = 0
-        self._batches_in_step = 0  # batches of the current optimizer step that have started
-        self._stop = False  # saved: stop before the next batch or validation
-        self._stepping = False  # between on_before_optimizer_step and the end of that batch
+        self._stepping = False  # this batch's optimizer step has begun
 
-    # ------------------------------------------------------------------ the Ctrl-C request
+    # ------------------------------------------------------------------ Ctrl-C and SIGTERM: a request
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self.requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
         print("\nCtrl-C: finishing this step, then saving a checkpoint to resume from (Ctrl-C again: stop at once, "
               "without it)", file=sys.stderr, flush=True)
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # instead of Lightning's handler during training: it broadcasts inside the handler, which deadlocks a
+        # multi-process run whose every process gets the signal (SLURM, torchrun; tests/recipes/test_resume_faults.py)
+        self.sigterm = True
+        print("\nSIGTERM: finishing this step, then saving a checkpoint to resume from", file=sys.stderr, flush=True)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.requested, self.saved, self.step, self.unsaved_reason = False, None, None, None
-        self._batches_in_step, self._stop = 0, False
+        self.requested, self.sigterm, self.exception, self.saved, self.step, self.unsaved_reason = False, False, None, None, None, None
+        self._training, self._stop, self._raised, self._pending, self._stepping = True, None, None, 0, False
+        self._remember_position(trainer)
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
+                              signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm)}
 
     def _restore_handler(self) -> None:
-        if self._previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self._previous = {}
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training = False
         self._restore_handler()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remember_position(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._stop_now()
-        self._step_at_batch_start = trainer.global_step
-        self._batches_in_step += 1
+        self._step_at_batch_start, self._stepping = trainer.global_step, False
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -114,63 +145,73 @@ class SaveOnInterrupt(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._stepping = False
+        self._remember_position(trainer)
         if trainer.global_step == self._step_at_batch_start:
+            self._pending += 1
             return  # inside a gradient accumulation: the step boundary comes later
-        self._batches_in_step = 0
-        stop = self.requested
+        self._pending = 0
+        sigint, sigterm = self.requested, self.sigterm or bool(trainer.received_sigterm)
         if trainer.world_size > 1:  # every process stops after the same step
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if not stop or 0 < trainer.max_steps <= trainer.global_step:
-            return  # no request, or the run's last step: it ends (validates, checkpoints) as it would have
-        # saved where ModelCheckpoint(every_n_train_steps=...) saves, which Lightning resumes exactly; the
-        # fit stops once the step's own logging is done, before anything of the next step runs
-        self.saved, self.step = self.path(trainer, "last.ckpt"), trainer.global_step
-        trainer.save_checkpoint(self.saved)
-        self._stop = True
+            sigint = trainer.strategy.reduce_boolean_decision(sigint, all=False)
+            sigterm = trainer.strategy.reduce_boolean_decision(sigterm, all=False)
+        if (sigint or sigterm) and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
+            # raised once this step's own logging is done, before anything of the next step trains
+            self._stop = KeyboardInterrupt() if sigint else SIGTERMException()
 
     def _stop_now(self) -> None:
-        if self._stop:
-            self._stop = False
-            raise KeyboardInterrupt  # Lightning's own Ctrl-C shutdown: on_exception hooks, loggers finalized
+        if self._stop is not None:
+            self._raised, self._stop = self._stop, None
+            raise self._raised
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_now()
 
-    # ------------------------------------------------------------------ a crash
+    def _remember_position(self, trainer: pl.Trainer) -> None:
+        loader = trainer.train_dataloader
+        self._position = loader.state_dict() if hasattr(loader, "load_state_dict") else None
+
+    # ------------------------------------------------------------------ the checkpoint on an exception
+    def _unresumable(self, trainer: pl.Trainer, exception: BaseException, trained: bool) -> Optional[str]:
+        if isinstance(exception, KeyboardInterrupt) and exception is not self._raised:
+            return "stopped at once (a second Ctrl-C, or one outside a training step)"
+        if trainer.world_size > 1 and not isinstance(exception, STOPS):  # the others may wait in a collective
+            return "a multi-process run cannot save once one process has failed"
+        if self._pending or (trained and trainer.global_step == self._step_at_batch_start):
+            return "the failure came in the middle of a gradient accumulation, whose first batches' gradients are lost"
+        if self._stepping and not trained:
+            return "the failure came during the optimizer's step, before the step ended"
+        return None
+
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_handler()
-        if self.saved is not None or trainer.state.fn != "fit":
-            return
+        self.exception = exception
+        if not self._training or self.saved is not None or trainer.sanity_checking:
+            return  # before training (nothing to resume) or after it (its own checkpoints are there)
         self.step = trainer.global_step
-        if isinstance(exception, KeyboardInterrupt):
-            self.unsaved_reason = "stopped at once (a second Ctrl-C, or one outside a training step)"
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        trained = progress.processed > progress.completed  # Lightning counts this batch as done on resume
+        self.unsaved_reason = self._unresumable(trainer, exception, trained)
+        if self.unsaved_reason is not None:
             return
-        if trainer.world_size > 1:  # the other processes are not there to save with this one
-            self.unsaved_reason = "a multi-process run cannot save once one process has failed"
-        elif self._batches_in_step > 1:
-            self.unsaved_reason = ("the failure came in the middle of a gradient accumulation, whose "
-                                   "first batches' gradients are lost")
-        elif self._stepping:
-            self.unsaved_reason = "the failure came during or after the optimizer's step, before the step ended"
-        else:
-            self.saved = self.path(trainer, "crash.ckpt")
-            trainer.save_checkpoint(self.saved)
-
-    @staticmethod
-    def path(trainer: pl.Trainer, name: str) -> str:
-        """``name`` in the directory of the run's checkpoints (``<run>/checkpoints``)."""
-        callback = trainer.checkpoint_callback
-        directory = getattr(callback, "dirpath", None)
-        if not directory:
-            directory = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
-        return os.path.join(directory, name)
+        if not trained and self._position is not None:
+            # a batch fetched, not trained: Lightning rolls its counters back to the last batch trained, so
+            # the loader goes back there too (the resumed run trains that batch, as the uninterrupted one did)
+            trainer.train_dataloader.load_state_dict(self._position)
+        path = os.path.join(checkpoint_dir(trainer), "last.ckpt" if isinstance(exception, STOPS) else "crash.ckpt")
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as err:  # the run's own error stays the one raised
+            self.unsaved_reason = f"writing {path} failed: {type(err).__name__}: {err}"
+            return
+        self.saved = path
 
     def resume_hint(self, script: str, args: Sequence[str], *, last: Optional[str] = None) -> str:
-        """What was saved and the command that resumes (``last``: the newest validation checkpoint, if any)."""
+        """What was saved and the command that resumes (``last``: the newest ``last.ckpt``, if any)."""
         if self.saved is not None:
-            what = "interrupted" if os.path.basename(self.saved) == "last.ckpt" else "failed"
+            what = {KeyboardInterrupt: "interrupted", SIGTERMException: "stopped by SIGTERM"}.get(
+                type(self.exception), "failed")
             return (f"{what} after step {self.step}: saved {self.saved}; resume with\n  "
                     f"{resume_command(script, args, self.saved)}")
         reason = f" ({self.unsaved_reason})" if self.unsaved_reason else ""
@@ -180,6 +221,30 @@ class SaveOnInterrupt(Callback):
         return f"stopped{at} without a checkpoint{reason}{where}"
 
 
+def resume_callbacks() -> list[Callback]:
+    """A recipe's resume: ``last.ckpt`` at every validation (Lightning's ``ModelCheckpoint`` keeping the latest,
+    ``monitor=None``; the best's ``save_last`` is rewritten in 2.6 only with a new best) and
+    :class:`SaveOnInterrupt`."""
+    return [ModelCheckpoint(filename="last", monitor=None, save_top_k=1, enable_version_counter=False),
+            SaveOnInterrupt()]
+
+
+def last_checkpoint(trainer: pl.Trainer) -> Optional[str]:
+    """The newest ``last.ckpt`` the run's ``ModelCheckpoint`` callbacks wrote (``None``: none yet)."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            for path in (callback.last_model_path, callback.best_model_path if callback.monitor is None else ""):
+                if path and os.path.basename(path) == "last.ckpt" and os.path.isfile(path):
+                    return path
+    return None
+
+
+def checkpoint_dir(trainer: pl.Trainer) -> str:
+    """The directory of the run's checkpoints (``<run>/checkpoints``)."""
+    directory = getattr(trainer.checkpoint_callback, "dirpath", None)
+    return directory or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+
+
 def _saver(cli: Any) -> Optional[SaveOnInterrupt]:
     trainer = getattr(cli, "trainer", None)
     return next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, SaveOnInterrupt)), None)
@@ -187,16 +252,15 @@ def _saver(cli: Any) -> Optional[SaveOnInterrupt]:
 
 def _hint(cli: Any, saver: SaveOnInterrupt, script: str, argv: list[str]) -> None:
     if cli.trainer.is_global_zero:
-        last = getattr(cli.trainer.checkpoint_callback, "last_model_path", None) or None
-        print(saver.resume_hint(script, argv, last=last), file=sys.stderr, flush=True)
+        print(saver.resume_hint(script, argv, last=last_checkpoint(cli.trainer)), file=sys.stderr, flush=True)
 
 
 def run_resumable(build_cli: Callable[[Optional[list[str]]], Any], script: str,
                   args: Optional[list[str]] = None) -> int:
-    """Build a recipe's CLI (its trainer holding a :class:`SaveOnInterrupt`) and fit: user errors as one
-    stderr line (exit 2), Ctrl-C as a resumable interruption, the checkpoint saved and the command that
-    resumes printed (exit 130); a crash says what it saved and fails. ``script``: the recipe's path as
-    the resume command gives it (``recipes/lm.py``)."""
+    """Build a recipe's CLI (its trainer holding a :class:`SaveOnInterrupt`) and fit: user errors as one stderr
+    line (exit 2); Ctrl-C and SIGTERM as a resumable stop, the checkpoint saved and the command that resumes
+    printed (exit 130, 143); a crash says what it saved and fails. ``script``: the recipe's path as the resume
+    command gives it (``recipes/lm.py``)."""
     argv = list(sys.argv[1:] if args is None else args)
     cli: Any = None
     on_sigint = signal.getsignal(signal.SIGINT)
@@ -207,14 +271,14 @@ def run_resumable(build_cli: Callable[[Optional[list[str]]], Any], script: str,
         return report(err)
     except (KeyboardInterrupt, SystemExit) as err:
         saver = _saver(cli)
-        if isinstance(err, SystemExit) and saver is None:
+        if isinstance(err, SystemExit) and (saver is None or saver.exception is None):
             raise  # --help, --print_config: not an interruption
         signal.signal(signal.SIGINT, on_sigint)  # Lightning ignores Ctrl-C after its shutdown
         if saver is None:
             print("\ninterrupted before training started: nothing to resume.", file=sys.stderr)
-        else:
-            _hint(cli, saver, script, argv)
-        return 130
+            return 130
+        _hint(cli, saver, script, argv)
+        return 143 if isinstance(saver.exception, SIGTERMException) else 130  # 128 + the signal, as a shell says
     except Exception:
         saver = _saver(cli)
         if saver is not None and (saver.saved or saver.unsaved_reason):

@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -164,14 +164,40 @@ class ImageClassifier(pl.LightningModule):
             self.val_top5(logits, y)
             self.log("val/top5", self.val_top5)
 
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a checkpoint of the recipe before its loader was torchdata's StatefulDataLoader holds the epoch's position
+        # as {"epoch", "samples"}, which that loader cannot read (an AssertionError): the epoch's order restarts
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        states = loop.get("combined_loader") or []
+        if any(set(state) == {"epoch", "samples"} for state in states):
+            del loop["combined_loader"]
+            rank_zero_warn("this checkpoint was written before the image recipe's training loader saved its own state: "
+                           "the resumed epoch's order starts anew (the rest of the run is not the uninterrupted "
+                           "run's batches); resume with the release that wrote it for that.")
+
+    def _factor(self, step: int) -> float:
+        """The lr factor of ``step`` on the run's schedule (1 until :meth:`on_train_start` knows its length)."""
+        return self._schedule(step) if getattr(self, "_schedule", None) is not None else 1.0
+
+    @override
+    def on_train_start(self) -> None:
+        hp = self.hparams
+        total = max(1, int(self.trainer.estimated_stepping_batches))  # the training loader exists: no early build
+        self._schedule = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        for group, base in zip(self.trainer.optimizers[0].param_groups, scheduler.base_lrs):
+            group["lr"] = base * self._factor(scheduler.last_epoch)  # LambdaLR's own formula, now on the schedule
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = build_optimizer(hp.optimizer, self.model, self.parameters(), lr=hp.lr,
                                     weight_decay=hp.weight_decay, momentum=hp.momentum, nesterov=hp.nesterov,
                                     betas=hp.betas)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        # the schedule's length is set in on_train_start: asking Lightning for it here builds the training loader
+        # before a checkpoint is restored, and Lightning then never gives that loader its saved position
+        # (Lightning issue #20550: a resume in the middle of an epoch would restart the epoch's order)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._factor)
         # "name": LearningRateMonitor's tag, train/lr (train/lr/<group> for AdamW's two groups), beside train/*
         schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -26,8 +26,9 @@ statistics, 0.5/0.22 for synthetic, the training split's mean/std for digits, Im
 (mean 0.485/0.456/0.406, std 0.229/0.224/0.225) for folder.
 
 The training order and each image's augmentation are functions of the run's seed, the epoch and
-the index (:mod:`recipes.vision.resume`), whatever ``--data.num_workers``; the data module's state (in a
-checkpoint) is the epoch's position, so a run resumed in the middle of an epoch goes on bit for bit.
+the index (:mod:`recipes.vision.resume`), whatever ``--data.num_workers``; the training loader is torchdata's
+``StatefulDataLoader``, whose state (the epoch's position) Lightning saves in checkpoints, so a run resumed
+in the middle of an epoch goes on bit for bit.
 
 Example:
     >>> dm = ImageDataModule(dataset="digits", batch_size=8, image_size=16)
@@ -54,7 +55,7 @@ from typing_extensions import override
 from recipes.vision.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
                                      scan_folder, stratified_split)
 from recipes.common.errors import UsageError, check_loader_options
-from recipes.vision.resume import EpochSampler, ResumableLoader, run_seed, seeded
+from recipes.vision.resume import EpochSampler, run_seed, seeded
 from recipes.vision.synthetic import SyntheticCIFAR100
 
 __all__ = ["CIFAR100_URL", "DATASETS", "DatasetUnavailableError", "ImageDataModule"]
@@ -206,8 +207,6 @@ class ImageDataModule(pl.LightningDataModule):
                              "least 2 classes: add a folder of images per class.")
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
-        self._train_loader: Optional[ResumableLoader] = None
-        self._resume_at: Optional[dict[str, int]] = None  # the training data's position in a checkpoint
         self._stats: tuple[tuple[float, ...], tuple[float, ...]] = _STATS.get(dataset, ((0.0,), (1.0,)))
 
     # ------------------------------------------------------------------ data on disk
@@ -325,34 +324,19 @@ class ImageDataModule(pl.LightningDataModule):
                                       pin_memory=torch.cuda.is_available(), collate_fn=_collate)
         if not train:
             return DataLoader(dataset, shuffle=False, **kwargs)  # Lightning adds a DistributedSampler under DDP
-        # the order and augmentation are functions of (seed, epoch, index) and the loader's position is saved
-        # in checkpoints, so a resume in the middle of an epoch goes on bit for bit (recipes.vision.resume); the
-        # sampler splits the data over the processes itself (Lightning keeps a DistributedSampler as it is)
+        # the order and augmentation are functions of (seed, epoch, index); the loader's state (the sampler's
+        # position) is saved in checkpoints by Lightning, so a resume mid-epoch goes on bit for bit
+        # (recipes.vision.resume); the sampler splits the data over the processes itself (Lightning keeps a
+        # DistributedSampler as it is, and sets its epoch)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
         trainer = self.trainer
         place = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
         sampler = EpochSampler(len(dataset), run_seed(), place.get("num_replicas", 1),  # type: ignore[arg-type]
                                place.get("rank", 0))
-        if self._resume_at:
-            sampler.load_state_dict(self._resume_at)
-            self._resume_at = None
-        elif trainer is not None:
-            sampler.set_epoch(trainer.current_epoch)
-        loader = ResumableLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
-        if trainer is not None:
-            loop = trainer.fit_loop
-            loader.progress = lambda: (loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches)
-        self._train_loader = loader
-        return loader
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        """The training data's position (epoch, samples taken) when the checkpoint is saved."""
-        return {"train_position": self._train_loader.state_dict()} if self._train_loader is not None else {}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep the position for the next training loader: the resume goes on where the checkpoint was saved."""
-        self._resume_at = state_dict.get("train_position") or None
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch now says is deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            return StatefulDataLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:

@@ -10,10 +10,9 @@ random stream whose position a resume would lose; each draw is a function of the
   each index comes with its augmentation seed, a function of ``(seed, e, index)``, which
   :func:`seeded` applies around the sample's transform, so neither the DataLoader's worker
   count nor a resume changes an augmented image;
-* :class:`ResumableLoader`: a DataLoader with ``state_dict``/``load_state_dict``, whose position
-  (the epoch and the number of samples the training loop has taken in it; the batches prefetched
-  are not counted) goes into the checkpoint; the resumed sampler skips those samples, without
-  loading them;
+  the sampler's position (``state_dict``/``load_state_dict``) is part of the state of torchdata's
+  ``StatefulDataLoader``, which Lightning saves in checkpoints and restores, so a resumed sampler
+  skips the indices taken, without loading them;
 * :class:`StepSeed`: before each training batch, the global torch generators (CPU and CUDA:
   dropout, drop-path) are seeded by ``(seed, rank, epoch, batch index)``, so a step's randomness
   does not depend on what ran before it (validation, a DataLoader started, a resume).
@@ -24,7 +23,7 @@ Example:
     >>> first = list(sampler)
     >>> len(first), sorted(i for i, _ in first) == list(range(10))
     (10, True)
-    >>> sampler.load_state_dict({"epoch": 3, "samples": 4})
+    >>> sampler.load_state_dict({"epoch": 3, "taken": 4})
     >>> list(sampler) == first[4:]
     True
 """
@@ -38,10 +37,10 @@ from typing import Any, Callable, Iterator, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-__all__ = ["EpochSampler", "ResumableLoader", "StepSeed", "mix", "run_seed", "seeded"]
+__all__ = ["EpochSampler", "StepSeed", "mix", "run_seed", "seeded"]
 
 _MASK = (1 << 64) - 1
 
@@ -97,12 +96,15 @@ def seeded(seed: Optional[int], fn: Callable[[Any], Any], value: Any) -> Any:
 
 
 class EpochSampler(DistributedSampler):
-    """Shuffled ``(index, augmentation seed)`` pairs; epoch ``e``'s order is a function of ``(seed, e)``.
+    """Shuffled ``(index, augmentation seed)`` pairs, whose position is saved and restored by the loader.
 
-    As ``DistributedSampler`` (``drop_last=False``): the epoch's permutation is padded with its
-    own first indices to a multiple of ``num_replicas`` and process ``rank`` takes every
-    ``num_replicas``-th index from ``rank``. :meth:`load_state_dict` starts the next iteration
-    ``samples`` (counted over all processes) into the epoch's permutation.
+    Epoch ``e``'s order is a permutation seeded by ``(seed, e)``, padded (``drop_last=False``) with its
+    own first indices to a multiple of ``num_replicas``; process ``rank`` takes every
+    ``num_replicas``-th index from ``rank``, as ``DistributedSampler`` does (Lightning keeps it: it is
+    one, and calls :meth:`set_epoch`). :meth:`state_dict` is the epoch and the indices this process
+    has taken in it; torchdata's ``StatefulDataLoader`` puts it in its own state (which Lightning saves
+    in checkpoints and gives back on resume), and :meth:`load_state_dict` starts the next iteration
+    after them.
 
     Args:
         length: the dataset's size.
@@ -125,8 +127,9 @@ class EpochSampler(DistributedSampler):
         self.shuffle, self.drop_last, self.epoch = True, False, 0
         self.num_samples = math.ceil(length / num_replicas)  # per process and epoch
         self.total_size = self.num_samples * num_replicas
-        self._skip = 0  # samples (all processes) of the epoch already taken: the next iteration starts after them
-        self.iterations = 0  # iterations begun (a position loaded later would apply to the next epoch)
+        self._start: Optional[int] = None  # a loaded position: the next iteration starts there
+        self._taken = 0  # indices of the current iteration taken so far
+        self._iter_epoch = 0  # the epoch of the current iteration
 
     def order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s permutation of all indices, padded to ``total_size``."""
@@ -138,59 +141,32 @@ class EpochSampler(DistributedSampler):
 
     @override
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        epoch, skip = self.epoch, self._skip
-        self._skip = 0  # once: the next epochs start at their beginning
-        self.iterations += 1
-        for i in self.order(epoch)[skip:][self.rank:: self.num_replicas]:
+        # a generator: the epoch and position are read at the first draw, after Lightning's set_epoch
+        epoch, start = self.epoch, self._start or 0
+        self._start, self._iter_epoch, self._taken = None, epoch, start
+        for i in self.order(epoch)[self.rank:: self.num_replicas][start:]:
+            self._taken += 1
             yield i, mix(self.seed, epoch, i)
 
     @override
     def __len__(self) -> int:
         return self.num_samples  # the whole epoch's, also when resuming: Lightning counts the batches taken
 
-    def state_dict(self, samples: int = 0) -> dict[str, int]:
-        """The epoch and ``samples``, the samples (all processes) of it already taken."""
-        return {"epoch": self.epoch, "samples": samples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Go on from :meth:`state_dict`'s position: the next iteration skips the samples taken."""
-        self.epoch, self._skip = int(state["epoch"]), int(state["samples"])
-
-
-class ResumableLoader(DataLoader):
-    """A training DataLoader over an :class:`EpochSampler` that Lightning saves and resumes mid-epoch.
-
-    ``progress`` (set by the data module) says where the training loop is: ``(batches taken in
-    this epoch, batches in an epoch)``. Lightning calls :meth:`state_dict` when it saves a
-    checkpoint, which keeps it from warning that the loader is not resumable. The data module
-    saves the same position (``LightningDataModule.state_dict``) and gives it to the sampler it
-    builds: Lightning restores a data module before it asks for the loader, but restores this
-    loader's state only when it builds the loader after the loops (not when ``configure_optimizers``
-    asked for ``estimated_stepping_batches``, as the recipe's schedule does).
-
-    Example:
-        >>> loader = ResumableLoader(list(range(8)), sampler=EpochSampler(8, seed=0), batch_size=2, drop_last=True)
-        >>> loader.progress = lambda: (3, len(loader))  # 3 of the epoch's 4 batches taken
-        >>> loader.state_dict()
-        {'epoch': 0, 'samples': 6}
-    """
-
-    progress: Optional[Callable[[], tuple[int, int]]] = None
+    @override
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._start = None  # a position belongs to its epoch: another one starts at its beginning
+        self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "samples"}``; a finished epoch is saved as the start of the next."""
-        sampler = self.sampler
-        if not isinstance(sampler, EpochSampler):
-            return {}
-        taken, per_epoch = self.progress() if self.progress is not None else (0, 1)
-        if taken >= per_epoch:  # saved at the epoch's end: the resume starts the next epoch
-            return {"epoch": sampler.epoch + 1, "samples": 0}
-        return sampler.state_dict(taken * (self.batch_size or 1) * sampler.num_replicas)
+        """``{"epoch", "taken"}``: the epoch and the indices of it this process has taken."""
+        if self._start is not None:  # loaded, not iterated yet
+            return {"epoch": self.epoch, "taken": self._start}
+        return {"epoch": self._iter_epoch, "taken": self._taken}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at :meth:`state_dict`'s position, unless the sampler has begun (it had it from the data module)."""
-        if state and isinstance(self.sampler, EpochSampler) and self.sampler.iterations == 0:
-            self.sampler.load_state_dict(state)
+        """Go on from :meth:`state_dict`'s position: the next iteration skips the indices taken."""
+        self.epoch, self._start = int(state["epoch"]), int(state["taken"])
 
 
 class StepSeed(Callback):

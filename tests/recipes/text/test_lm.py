@@ -17,6 +17,7 @@ from helpers import ROOT
 from helpers.lm import OWN_NORMS, TINY, TINY_CONFIG
 from helpers.scripts import run_script
 from helpers.tensorboard import event_scalars, session_start
+from recipes.common.interrupt import last_checkpoint
 from recipes.common.errors import UsageError
 
 SCRIPT = ROOT / "recipes" / "lm.py"
@@ -77,7 +78,7 @@ def test_fit_in_each_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
         scaler = plugin.scaler
         assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
         assert 0 < scaler.get_scale() <= 2.0**16  # used: the scale tensor exists (65536 or backed off)
-        saved = torch.load(Path(trainer.checkpoint_callback.last_model_path), weights_only=False)
+        saved = torch.load(Path(last_checkpoint(trainer)), weights_only=False)
         assert saved["MixedPrecision"]["scale"] == scaler.get_scale()
     else:
         assert getattr(plugin, "scaler", None) is None
@@ -301,7 +302,7 @@ def test_norm_swap_converts_every_body_norm(tmp_path: Path, monkeypatch: pytest.
     # load_from_checkpoint rebuilds the swapped model from the hyperparameters
     from recipes.text.byte_lm import ByteLM
 
-    again = ByteLM.load_from_checkpoint(cli.trainer.checkpoint_callback.last_model_path, map_location="cpu")
+    again = ByteLM.load_from_checkpoint(last_checkpoint(cli.trainer), map_location="cpu")
     assert isinstance(dict(again.model.named_modules())["model.norm"], expected)
     for name, tensor in again.state_dict().items():
         torch.testing.assert_close(tensor, cli.model.state_dict()[name], atol=0, rtol=0)

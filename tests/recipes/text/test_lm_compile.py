@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from helpers.lm import TINY
+from recipes.common.interrupt import last_checkpoint
 from recipes.text.configure import compile_layers
 
 pytest.importorskip("transformers")
@@ -81,7 +82,7 @@ def test_compiled_fit_is_the_eager_fit(tmp_path: Path, monkeypatch: pytest.Monke
     assert list(ours) == list(theirs)
     for name, weight in theirs.items():
         torch.testing.assert_close(ours[name], weight, rtol=rtol, atol=atol, msg=name)
-    saved = torch.load(compiled.trainer.checkpoint_callback.last_model_path, map_location="cpu", weights_only=False)
+    saved = torch.load(last_checkpoint(compiled.trainer), map_location="cpu", weights_only=False)
     assert list(saved["state_dict"]) == list(theirs) and saved["hyper_parameters"]["compile"] is True
     exported = Path(compiled.trainer.log_dir) / "hf"
     assert (exported / "config.json").is_file()

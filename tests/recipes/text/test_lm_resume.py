@@ -182,8 +182,14 @@ def test_the_options_that_may_change_are_named_once_and_apply(uninterrupted: Pat
     assert cli.trainer.global_step == 8 and cli.datamodule.batch_size == 8
 
 
-def test_ctrl_c_through_the_script_exits_130_with_the_resume_command(tmp_path: Path) -> None:
-    """SIGINT to the real script, as a terminal's Ctrl-C: the line that resumes, exit 130, the checkpoint."""
+@pytest.mark.parametrize("signum, status, what", [
+    (signal.SIGINT, 130, "interrupted"),
+    pytest.param(signal.SIGTERM, 143, "stopped by SIGTERM", marks=pytest.mark.slow),  # about 30 s: the script
+], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_through_the_script_exits_130_with_the_resume_command(tmp_path: Path, signum: int, status: int,
+                                                                    what: str) -> None:
+    """SIGINT to the real script, as a terminal's Ctrl-C: the line that resumes, exit 130, the checkpoint; SIGTERM
+    (a scheduler's preemption) the same with exit 143, where Lightning alone would train on (an endless epoch)."""
     import subprocess
 
     args = [*TINY, "--trainer.max_steps", "100000", "--trainer.val_check_interval", "100000",
@@ -196,13 +202,13 @@ def test_ctrl_c_through_the_script_exits_130_with_the_resume_command(tmp_path: P
         lines.append(line)
         if line.startswith("precision "):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     rest, _ = proc.communicate(timeout=240)
     out = "".join(lines) + rest
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == status, out[-3000:]
     saved = _last(tmp_path)
     step = final_weights(saved)["step"]
-    assert step >= 1 and f"interrupted after step {step}: saved {saved}; resume with" in out, out[-3000:]
+    assert step >= 1 and f"{what} after step {step}: saved {saved}; resume with" in out, out[-3000:]
     command = out.split("resume with", 1)[1].strip().splitlines()[0]
     assert command.startswith("python recipes/lm.py --model.config ") and command.endswith(f"--ckpt_path {saved}")
     assert "Traceback" not in out

@@ -81,6 +81,7 @@ def _assert_same_weights(a: Path, b: Path) -> None:
         assert torch.equal(tensor, wb[name]), name
 
 
+@pytest.mark.slow  # three fits; the default suite has the crash cell of test_resume_faults.py (same machinery)
 def test_ctrl_c_saves_prints_the_resume_command_exits_130_and_resumes_bit_for_bit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
     from recipes.cifar100 import run

@@ -1,5 +1,6 @@
 """recipes.vision.resume: the image data's order, augmentation and step randomness as functions of counters, so a run
-resumed in the middle of an epoch sees what the uninterrupted run saw."""
+resumed in the middle of an epoch sees what the uninterrupted run saw; the position travels in torchdata's
+StatefulDataLoader state (which Lightning saves)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from helpers.images import write_images
 from recipes.vision.data import ImageDataModule
-from recipes.vision.resume import EpochSampler, ResumableLoader, StepSeed
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from recipes.vision.resume import EpochSampler, StepSeed
 
 
 @pytest.fixture(autouse=True)
@@ -49,19 +52,48 @@ def test_a_resumed_sampler_gives_each_process_the_rest_of_its_epoch(replicas: in
     assert sorted(set(covered)) == list(range(37)) and len(covered) == -(-37 // replicas) * replicas
     for rank in range(replicas):
         s = EpochSampler(37, seed=0, num_replicas=replicas, rank=rank)
-        s.load_state_dict({"epoch": 5, "samples": taken * batch * replicas})
+        s.load_state_dict({"epoch": 5, "taken": taken * batch})
         assert list(s) == full[rank][taken * batch:]
         assert list(s) == full[rank]  # once: the next iteration is the epoch's whole again
 
 
-def test_the_loader_saves_the_batches_taken_and_a_finished_epoch_as_the_next() -> None:
-    sampler = EpochSampler(40, seed=0, num_replicas=2, rank=1)
-    sampler.set_epoch(1)
-    loader = ResumableLoader(list(range(40)), sampler=sampler, batch_size=4, drop_last=True)
-    loader.progress = lambda: (3, 5)
-    assert loader.state_dict() == {"epoch": 1, "samples": 3 * 4 * 2}
-    loader.progress = lambda: (5, 5)
-    assert loader.state_dict() == {"epoch": 2, "samples": 0}
+class _Keys(torch.utils.data.Dataset):
+    """Each item is the sampler's key, ``(index, augmentation seed)``."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, int]:
+        return key
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_stateful_loader_saves_the_samplers_position_and_resumes_after_it(workers: int) -> None:
+    def loader() -> StatefulDataLoader:
+        sampler = EpochSampler(40, seed=0, num_replicas=2, rank=1)
+        sampler.set_epoch(1)
+        return StatefulDataLoader(_Keys(), sampler=sampler, batch_size=4, drop_last=True, num_workers=workers)
+
+    first = loader()
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    rest = list(it)
+    assert len(taken) + len(rest) == 5  # 20 indices of this process, batches of 4
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = list(resumed)
+    assert [b[0].tolist() for b in again] == [b[0].tolist() for b in rest]  # the indices
+    assert [b[1].tolist() for b in again] == [b[1].tolist() for b in rest]  # and their augmentation seeds
+    assert len(list(resumed)) == 5  # the next epoch starts at its beginning
+
+
+def test_a_position_belongs_to_its_epoch() -> None:
+    sampler = EpochSampler(10, seed=0)
+    sampler.load_state_dict({"epoch": 2, "taken": 10})  # saved at epoch 2's end
+    assert sampler.state_dict() == {"epoch": 2, "taken": 10}
+    sampler.set_epoch(3)  # as Lightning does when the next epoch starts
+    assert len(list(sampler)) == 10 and sampler.state_dict() == {"epoch": 3, "taken": 10}
 
 
 def _datamodule(dataset: str, tmp_path: Path, **kw) -> ImageDataModule:
@@ -80,18 +112,22 @@ def _datamodule(dataset: str, tmp_path: Path, **kw) -> ImageDataModule:
 def test_a_data_module_resumed_mid_epoch_gives_the_uninterrupted_batches(dataset: str, tmp_path: Path) -> None:
     dm = _datamodule(dataset, tmp_path)
     loader = dm.train_dataloader()
-    assert isinstance(loader, ResumableLoader) and isinstance(loader.sampler, EpochSampler)
+    assert isinstance(loader, StatefulDataLoader) and isinstance(loader.sampler, EpochSampler)
     loader.sampler.set_epoch(1)
     torch.manual_seed(0)
-    uninterrupted = list(islice(loader, 6))
-    loader.progress = lambda: (2, len(loader))
-    state = dm.state_dict()
-    assert state == {"train_position": {"epoch": 1, "samples": 8}}
+    it = iter(loader)
+    uninterrupted = [next(it) for _ in range(6)]
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(1)
+    it = iter(loader)
+    [next(it) for _ in range(2)]
+    state = loader.state_dict()
 
-    resumed_dm = _datamodule(dataset, tmp_path)
-    resumed_dm.load_state_dict(state)
+    resumed_loader = _datamodule(dataset, tmp_path).train_dataloader()
+    resumed_loader.load_state_dict(state)
+    resumed_loader.sampler.set_epoch(1)
     torch.manual_seed(1)  # another global stream: the augmentation does not draw from it
-    resumed = list(islice(resumed_dm.train_dataloader(), 4))
+    resumed = list(islice(resumed_loader, 4))
     assert len(resumed) == 4
     for (x, y), (rx, ry) in zip(uninterrupted[2:], resumed):
         assert torch.equal(x, rx) and torch.equal(y, ry)
@@ -137,3 +173,17 @@ def test_step_seed_makes_a_steps_draws_a_function_of_epoch_and_batch() -> None:
     assert not torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first)
     seed.on_train_batch_start(SimpleNamespace(global_rank=1, current_epoch=2), None, None, 7)  # type: ignore[arg-type]
     assert not torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first)
+
+
+def test_a_checkpoint_with_the_old_position_restarts_the_epoch_and_says_so() -> None:
+    """The position main saved before the StatefulDataLoader ({"epoch", "samples"}) would fail inside torchdata."""
+    from recipes.vision.classifier import ImageClassifier
+
+    model = ImageClassifier(arch="timm:test_resnet", num_classes=10)
+    old = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"epoch": 0, "samples": 24}]}}}}
+    with pytest.warns(UserWarning, match="the resumed epoch's order starts anew"):
+        model.on_load_checkpoint(old)
+    assert "combined_loader" not in old["loops"]["fit_loop"]["state_dict"]
+    new = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"_num_yielded": 3}]}}}}
+    model.on_load_checkpoint(new)  # today's state: kept, silently
+    assert new["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"_num_yielded": 3}]
