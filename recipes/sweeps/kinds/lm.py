@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 
 from recipes.sweeps import figure as fig
 from recipes.sweeps.kind import History, Measured, Sweep
-from recipes.sweeps.claims.lm import (HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
+from recipes.sweeps.claims.lm import (EXTRA_NORMS, HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
                                       RULE, SCALE_FLOOR, TEXT, arm_name, claims, split_arm)
 from recipes.sweeps.claims.mechanism import CHANNEL, MECHANISM, MECHANISM_LR
 from recipes.sweeps.records import Row, distinct_lrs, same_lr, select
@@ -93,7 +93,7 @@ def figure(rows: list[Row], path: Path) -> Any:
     """Per precision a column: final bpb against lr (top), RMSNorm's largest-channel share of the norm inputs
     (``max_rms_share``, bottom); a red x where a seed diverged. Returns the panels (2 x precisions)."""
     plt = fig.pyplot()
-    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp16-master", "fp32")
+    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp16-master", "bf16-master", "fp32")
                   if any(split_arm(r.arm)[1] == p for r in rows)]
     all_lrs, seeds = distinct_lrs(rows), sorted({r.seed for r in rows})
     bs = min(r.batch_size for r in rows)
@@ -197,7 +197,10 @@ def _model_arms(arm: str) -> dict[str, Any]:
     return {"norm": norm, "qk_norm": "none", "precision": precision}
 
 
-LM_ARMS = tuple(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS)
+LM_ARMS = tuple(dict.fromkeys((
+    *(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS),
+    # P1t's rerun (issue 56): the safe pair's output-scale controls and DyT, and all of them in pure bf16
+    *(arm_name(n, p) for p in ("fp16-master", "bf16-master") for n in (*HALF_NORMS, *EXTRA_NORMS)))))
 #: the default grid's arms: every shipped norm in fp16 and bf16 (fp16 first: the premise); the half-precision norms
 #: inside fp16 autocast (P1m); in pure fp16 the naive half norms and the shipped rms and mrs beside them (P1h); the
 #: four half norms in pure fp16 with float32 master weights (P1t); the fp32 reference for rms and mrs
