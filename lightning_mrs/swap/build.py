@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.swap.dyt import DEFAULT_ALPHA0, DyT, DyT2d
 from lightning_mrs.swap.half import MRSNormHalf, MRSNormHalfSafe, RMSNormHalf, RMSNormHalfSafe
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
@@ -54,11 +55,20 @@ def _auto_spatial(spec: NormSpec) -> bool:
     return bool(spec.spatial)
 
 
-def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object) -> Union[Plan, str, None]:
+def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object,
+                     alpha0: float = DEFAULT_ALPHA0) -> Union[Plan, str, None]:
     """The replacement of ``module`` for ``target``, ``None`` when it already is one, or why it cannot be.
 
-    ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only).
+    ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only); ``alpha0`` is the
+    initial alpha of a DyT (``target="dyt"``).
     """
+    if target == "dyt":  # element-wise: per sample or per position is moot; a bias where the source has one
+        if spec.kind == "dyt":
+            return None
+        cls = DyT if spec.channel_dim == -1 else DyT2d
+        bias = _tensor(module, "bias") is not None or (spec.formula is not None and spec.formula.bias)
+        return Plan(f"{cls.__name__}(alpha0={alpha0:g})",
+                    lambda c, e, a, dd: cls(c, e, a, bias=bias, alpha0=alpha0, **dd))
     if target in _HALF:  # experimental baselines (lightning_mrs.swap.half): channels-last sources only
         if spec.channel_dim != -1:
             return (f"target={target!r} is an experimental channels-last baseline; this norm is channels-first "

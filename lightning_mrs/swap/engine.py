@@ -21,7 +21,8 @@ from lightning_mrs.swap.hf_record import record_in_configs
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport, by_reason, check_report
 from lightning_mrs.swap.rewire import rewire
-from lightning_mrs.swap.selectors import check_selectors, deselected
+from lightning_mrs.swap.dyt import DEFAULT_ALPHA0
+from lightning_mrs.swap.selectors import alpha0_of, check_selectors, deselected
 
 __all__ = ["swap_norms"]
 
@@ -39,13 +40,13 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
     Args:
         model: any module (timm, torchvision, transformers, your own). Its root must not itself be a norm
             layer to replace: wrap it first, e.g. ``nn.Sequential(norm)``.
-        target: ``"mrs"``, ``"rms"`` or ``"layer"``, ``None`` (keep the body's norms), or a
-            whole :class:`SwapOptions`.
+        target: ``"mrs"``, ``"rms"``, ``"layer"``, ``"dyt"`` (the others: ``SWAP_TARGETS``), ``None``
+            (keep the body's norms), or a whole :class:`SwapOptions`.
         calibration: ``init="calibrate"`` only: data to fit the new weights on (a tensor passed
             as ``model(batch)``, a dict as ``model(**batch)``, or a callable that runs the
             model; :mod:`lightning_mrs.swap.calibrate`).
         **options: the other fields of :class:`SwapOptions` (``spatial``, ``include``,
-            ``exclude``, ``init``, ``eps``, ``strict``, ``qk_norm``).
+            ``exclude``, ``init``, ``eps``, ``strict``, ``qk_norm``, ``alpha0``).
 
     Returns:
         A :class:`SwapReport`; ``print(report)`` gives the summary.
@@ -125,7 +126,7 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                  "them; swap before dispatch_model / device_map, e.g. lightning_mrs.from_pretrained(path, "
                  "device_map=...)")
             continue
-        plan = plan_replacement(module, spec, kind, spatial)
+        plan = plan_replacement(module, spec, kind, spatial, alpha0_of(opts, module, all_names, DEFAULT_ALPHA0))
         if isinstance(plan, str):  # this target cannot replace this norm (an experimental half target)
             skip(plan)
             continue

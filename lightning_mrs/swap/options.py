@@ -7,24 +7,28 @@ import difflib
 import math
 from collections import abc
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 from torch import nn
 
-__all__ = ["HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
+__all__ = ["Alpha0", "HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
 #: experimental baselines computed in the input's dtype (lightning_mrs.swap.half): squares formed (overflow in
 #: float16 from |x| = 256) and "-safe" (no intermediate overflow)
 HALF_TARGETS = ("rms-half", "mrs-half", "rms-half-safe", "mrs-half-safe")
 #: the values of ``target`` (``SwapOptions.target``, besides ``None``: keep the body's norms):
-#: MRSNorm, the RMSNorm and LayerNorm baselines, and the experimental half-precision ones.
-SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS)
+#: MRSNorm, the RMSNorm and LayerNorm baselines, the experimental half-precision ones, and DyT (Dynamic Tanh,
+#: the norm-free baseline of :mod:`lightning_mrs.swap.dyt`).
+SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS, "dyt")
 _QK_KINDS = ("mrs", "rms", "layer")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
 QK_NORMS = (None, True, False, *_QK_KINDS)
 _INITS = ("inherit", "ones", "calibrate")
 _SPATIAL = ("auto", True, False)
+#: what ``alpha0`` takes: DyT's initial alpha for every layer, or dotted-name patterns -> alpha (the first
+#: pattern that picks a layer gives its value), or None (the paper's default, 0.5)
+Alpha0 = Union[float, Mapping[str, float], Iterable[tuple[str, float]], None]
 #: what ``include``/``exclude`` take: a name pattern, a class, a list of both, or None
 #: (docs/swap.md#include-and-exclude-patterns).
 Selector = Union[str, type, Iterable[Union[str, type]], None]
@@ -81,6 +85,31 @@ def _selectors(value: Selector, option: str) -> tuple[Union[str, type], ...]:
     return items
 
 
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def _alpha0(value: Alpha0, target: Optional[str]) -> Union[float, tuple[tuple[str, float], ...], None]:
+    """``alpha0`` checked: ``None``, a float, or a tuple of ``(pattern, value)`` pairs."""
+    if value is None:
+        return None
+    if target != "dyt":
+        raise ValueError(f"SwapOptions: alpha0={value!r} is the initial alpha of DyT layers, but target={target!r}; "
+                         "use target='dyt', or drop alpha0.")
+    if _positive(value):
+        return float(value)
+    fix = "pass a finite float > 0, or a mapping of dotted-name patterns to such floats, e.g. {'*.input_layernorm': 0.8, '*': 0.2}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
+        raise ValueError(f"SwapOptions: alpha0={value!r} is not valid; {fix}.")
+    pairs = tuple(value.items()) if isinstance(value, abc.Mapping) else tuple(value)
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and _positive(pair[1])):
+            raise ValueError(f"SwapOptions: alpha0 entry {pair!r} is not valid; {fix}.")
+    if not pairs:
+        raise ValueError(f"SwapOptions: alpha0={value!r} is empty; {fix}.")
+    return tuple((pattern, float(alpha)) for pattern, alpha in pairs)
+
+
 @dataclass(frozen=True)
 class SwapOptions:
     """What a norm swap does (see :func:`lightning_mrs.swap_norms`).
@@ -92,7 +121,8 @@ class SwapOptions:
             Experimental: ``"rms-half"``/``"mrs-half"`` compute in the input's dtype with the squares
             formed (the paper's half-precision setting), ``"rms-half-safe"``/``"mrs-half-safe"`` in the
             input's dtype without intermediate overflow (:mod:`lightning_mrs.swap.half`; channels-last
-            norms only).
+            norms only). ``"dyt"``: Dynamic Tanh, ``w * tanh(alpha * x) + b`` (``DyT`` channels-last,
+            ``DyT2d`` channels-first; :mod:`lightning_mrs.swap.dyt`), the norm-free baseline.
         qk_norm: the per-head norm on the queries and keys of attention layers (QK-norm;
             see :mod:`lightning_mrs.swap.attention`). ``None`` (default): a QK-norm the model
             already has is a norm like any other and follows ``target``; none is added.
@@ -119,6 +149,12 @@ class SwapOptions:
             on ``swap_norms(..., calibration=batch)`` so that each new layer's output matches the
             old one (:mod:`lightning_mrs.swap.calibrate`).
         eps: the new layers' eps; ``None`` keeps each old layer's eps.
+        alpha0: ``target="dyt"`` only: the initial ``alpha`` of the new DyT layers. ``None``: the paper's
+            default, 0.5; a float: every layer; a mapping (or pairs) of dotted-name patterns to values,
+            matched as ``include`` matches: each layer takes the value of the first pattern that picks it,
+            0.5 where none does, and a pattern that picks no layer raises. The paper's LLaMA 2 7B values
+            on a transformers Llama: ``{"*.input_layernorm": 0.8, "*": 0.2}`` (0.8 in front of attention,
+            0.2 elsewhere; ``lightning_mrs.swap.dyt.LLAMA_ALPHA0``).
         strict: raise, listing every layer concerned, instead of skipping a norm for any
             reason other than ``include``/``exclude``.
 
@@ -137,6 +173,7 @@ class SwapOptions:
     eps: Optional[float] = None
     strict: bool = False
     qk_norm: Union[bool, str, None] = None
+    alpha0: Alpha0 = None
 
     def __new__(cls, *args: Any, **options: Any) -> "SwapOptions":
         _check_names("SwapOptions", options)  # before the dataclass __init__'s bare TypeError
@@ -165,6 +202,7 @@ class SwapOptions:
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
             raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
                              "finite float > 0.")
+        object.__setattr__(self, "alpha0", _alpha0(self.alpha0, self.target))
         object.__setattr__(self, "include", _selectors(self.include, "include"))
         object.__setattr__(self, "exclude", _selectors(self.exclude, "exclude"))
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_mrs.swap.options import SwapOptions
 
-__all__ = ["check_selectors", "deselected", "matches"]
+__all__ = ["alpha0_of", "check_selectors", "deselected", "matches"]
 
 
 def matches(module: nn.Module, names: list[str], selectors: tuple[Union[str, type], ...]) -> Optional[str]:
@@ -45,6 +45,17 @@ def deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Option
     if hit is not None:
         return f"excluded by exclude={hit}"
     return "not matched by include" if opts.include and matches(module, names, opts.include) is None else None
+
+
+def alpha0_of(opts: SwapOptions, module: nn.Module, names: list[str], default: float) -> float:
+    """The initial alpha of the DyT layer that replaces ``module`` (``SwapOptions.alpha0``): the value of
+    the first pattern that picks it, ``default`` where none does or ``alpha0`` is None."""
+    if opts.alpha0 is None or isinstance(opts.alpha0, float):
+        return default if opts.alpha0 is None else opts.alpha0
+    for pattern, alpha in opts.alpha0:
+        if matches(module, names, (pattern,)) is not None:
+            return alpha
+    return default
 
 
 def _hint(pattern: str, names: list[str]) -> str:
@@ -75,8 +86,9 @@ def check_selectors(owner: str, opts: SwapOptions, model: nn.Module, names: Iter
     names = sorted(set(names))
     types = {type(m) for m in model.modules()}
     problems = []
-    for option in ("include", "exclude"):
-        for sel in getattr(opts, option):
+    alpha0 = () if opts.alpha0 is None or isinstance(opts.alpha0, float) else tuple(p for p, _ in opts.alpha0)
+    for option, selectors in (("include", opts.include), ("exclude", opts.exclude), ("alpha0", alpha0)):
+        for sel in selectors:
             if isinstance(sel, type):
                 if not any(issubclass(t, sel) for t in types):
                     norms = sorted({t.__qualname__ for t in types if "norm" in t.__name__.lower()})

@@ -39,8 +39,8 @@ __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
     if target in HALF_TARGETS:
         return spec.kind == target
-    if target == "mrs":
-        return spec.kind == "mrs"
+    if target in ("mrs", "dyt"):
+        return spec.kind == target
     if target == "rms":
         return spec.kind in ("rms", "rms2d")
     return spec.kind in ("layer", "layer2d") or (spec.kind == "group" and getattr(module, "num_groups", 0) == 1)
@@ -56,7 +56,7 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
 
     Args:
         model: any module.
-        target: ``"mrs"``, ``"rms"``, ``"layer"``, or ``None`` (QK-norms only: a swap that
+        target: one of ``SWAP_TARGETS`` (``"mrs"``, ``"rms"``, ``"layer"``...), or ``None`` (QK-norms only: a swap that
             kept the body's norms).
 
     Returns:
@@ -88,7 +88,7 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
 
 #: the swap target that builds a layer of each recorded kind
 _TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
-                   **{t: t for t in HALF_TARGETS}}
+                   "dyt": "dyt", **{t: t for t in HALF_TARGETS}}
 
 
 def _literal(name: str) -> str:
@@ -142,7 +142,7 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
             raise ValueError(f"{name}: a recorded {record['kind']!r} layer is not one a swap builds")
         if name not in modules:  # another model: swap what matches, the comparison below lists the rest
             continue
-        spatial = record["spatial"] if record["channel_dim"] == 1 else "auto"
+        spatial = record["spatial"] if record["channel_dim"] == 1 and record["spatial"] is not None else "auto"
         groups.setdefault((target or kind, spatial, record["eps"]), []).append(_literal(name))
     with warnings.catch_warnings():  # a model that cannot match gets the error below, not a warning too
         warnings.simplefilter("ignore", UserWarning)
