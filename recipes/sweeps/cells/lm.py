@@ -62,7 +62,11 @@ from recipes.text.data import TextDataModule
 #: the arms' norms swapped in after the model is built with its own (not a --model.norm of the LM recipe)
 SWAPPED = (*HALF_NORMS, "dyt")
 
-__all__ = ["GRADIENT_CLIP", "MASTER", "MASTERS", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
+#: DyT's initial alpha on the LM's Llama: the paper's LLaMA values for its narrowest LLM (7B: 0.8 in front of
+#: attention, 0.2 elsewhere; lightning_mrs.swap.dyt.LLAMA_ALPHA0), the paper's initialisation for LLMs
+DYT_ALPHA0 = {"*.input_layernorm": 0.8, "*": 0.2}
+
+__all__ = ["DYT_ALPHA0", "GRADIENT_CLIP", "MASTER", "MASTERS", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
 
 
 
@@ -152,7 +156,7 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
     if half:
         with warnings.catch_warnings():  # "converted none" is check_swap's error
             warnings.simplefilter("ignore")
-            model.swap_report = swap_norms(model.model, norm)
+            model.swap_report = swap_norms(model.model, norm, **({"alpha0": DYT_ALPHA0} if norm == "dyt" else {}))
         check_swap(model.model, args.arch, norm, chosen.get("qk_norm", "none"), model.swap_report)
     if norm != chosen["norm"]:
         scale_gains(model.model, _norm_types(norm), gain_factor(chosen["norm"]))
