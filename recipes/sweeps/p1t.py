@@ -143,8 +143,12 @@ def verdict(cells: list[dict[str, Any]], where: dict[str, Any]) -> tuple[str, li
     s1, l4 = _more(cells, RMS, RMS_AS_MRS, where)
     s2, l5 = _more(cells, MRS_AS_RMS, MRS, where)
     lines = [l1, l2, l3, l4, l5]
+    if not (_kn(cells, RMS, **where)[1] and _kn(cells, MRS, **where)[1]):
+        return "not applicable: the safe pair was not run here", lines
+    if not all(_kn(cells, arm, **where)[1] for arm in (RMS_AS_MRS, MRS_AS_RMS)) and base:
+        return "1 only (the controls were not run here): P1t is reproduced", lines
     if not base:
-        return "1: P1t is not reproduced", lines
+        return "1: `rms-half-safe` does not fail more than `mrs-half-safe` (P1t not reproduced here)", lines
     if m1 and m2:
         return "2: P1t holds, and it is the formula's", lines
     if not m1 and not m2 and (s1 or s2):
@@ -204,7 +208,7 @@ def render(cells: list[dict[str, Any]], stem: Path, command: str) -> str:
         if not mine:
             continue
         got, lines = verdict(mine, {})
-        out += [f"- **{name}** ({', '.join(f'{k} {v}' for k, v in where.items())}): rule {got}.",
+        out += [f"- **{name}** ({', '.join(f'{k} {v}' for k, v in where.items())}): {got}.",
                 *(f"  - {line}" for line in lines)]
     first = [c for c in cells if c["precision"] == "fp16-master" and c["first_nonfinite_point"]]
     out += ["", "## Where it breaks", "",

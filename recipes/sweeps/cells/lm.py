@@ -158,10 +158,10 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
             warnings.simplefilter("ignore")
             model.swap_report = swap_norms(model.model, norm, **({"alpha0": DYT_ALPHA0} if norm == "dyt" else {}))
         check_swap(model.model, args.arch, norm, chosen.get("qk_norm", "none"), model.swap_report)
+        if norm in HALF_NORMS and setting["precision"] == "16-mixed":  # under autocast their inputs would be
+            model.half_inputs = HalfInputs(model.model)  # float32: cast, and record
     if norm != chosen["norm"]:
         scale_gains(model.model, _norm_types(norm), gain_factor(chosen["norm"]))
-        if setting["precision"] == "16-mixed":  # under autocast their inputs would be float32: cast, and record
-            model.half_inputs = HalfInputs(model.model)
     if setting["precision"] in MASTERS:
         use_fp32_master(model, GRADIENT_CLIP)
     if chosen.get("qk_norm", "none") == "none":

@@ -6,9 +6,12 @@ computed in the input's dtype) at a precision (``bf16``: bfloat16 autocast; ``fp
 loss scaler, where the residual stream, hence every norm input, stays float32, so a half norm's input is cast
 to float16 there, :mod:`recipes.sweeps.cells.half_inputs`; ``fp16-true``: the model cast to float16, Lightning's
 ``16-true``; ``fp16-master``: ``16-true`` with AdamW on float32 master weights,
-:mod:`recipes.sweeps.cells.master_weights`; ``fp32``: a
+:mod:`recipes.sweeps.cells.master_weights`; ``bf16-master``: the same in ``bf16-true``; ``fp32``: a
 reference, run at the smallest and the largest swept learning rates and at the mechanism stress's),
-e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes
+e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes. P1t's controls (issue 56): a half
+norm with the suffix ``-as-<family>`` starts its gains at that family's output scale
+(:mod:`recipes.sweeps.output_scale`, e.g. ``rms-half-safe-as-mrs-fp16-master``), and ``dyt`` is Dynamic Tanh; every
+cell records the residual stream's largest ``|x|`` per layer and step (:mod:`recipes.sweeps.cells.residual_trace`)
 (:mod:`recipes.sweeps.cells.lm`). ``results.csv`` has the arm's factors as columns (``norm``,
 ``precision``: Lightning's name). The ``OutlierMonitor`` records the norms' inputs, the
 ``GradientHomogeneityMonitor`` the phasor gradients, the ``AttentionMonitor`` the attention logits,
