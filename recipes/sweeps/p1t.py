@@ -252,7 +252,7 @@ def figure(growth: list[dict[str, Any]], cells: list[dict[str, Any]], path: Path
                 med = [sorted(by_step[s])[len(by_step[s]) // 2] for s in steps]
                 ax.plot(steps, med, color=colours(k / max(1, len(points) - 1)), lw=1.2, label=point,
                         ls="--" if point == "logits" else "-")
-            k_n = _kn(cells, norm, size=size, precision="fp16-master", lr=PRIMARY["lr"])
+            k_n = _kn(cells, norm, size=size, precision="fp16-master", lr=PRIMARY["lr"], threads=PRIMARY["threads"])
             ax.axhline(FP16_MAX, color="r", ls=":", lw=1)
             ax.set_yscale("log")
             ax.set_title(f"{size} {norm}: failed {k_n[0]}/{k_n[1]}", fontsize=9)
