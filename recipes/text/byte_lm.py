@@ -212,6 +212,8 @@ class ByteLM(pl.LightningModule):
 
     @override
     def on_train_start(self) -> None:
+        for optimizer in self.trainer.optimizers:  # the optimizer that trains (a wrapper may hold float32 masters)
+            self._check_eps_in_half(optimizer)
         self._start_step = self.trainer.global_step
         if self.trainer.ckpt_path is not None:
             self._apply_optimizer_options()
@@ -413,7 +415,6 @@ class ByteLM(pl.LightningModule):
                       if isinstance(m, nn.Embedding) for p, _ in m.named_parameters(recurse=False)}
         optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, no_decay=embeddings), lr=hp.lr,
                                       betas=tuple(hp.betas))
-        self._check_eps_in_half(optimizer)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -50,14 +50,23 @@ from recipes.text.byte_lm import ByteLM
 from recipes.text.checks import check_swap
 from recipes.sweeps.kinds.lm import VALIDATIONS
 from recipes.sweeps.claims.lm import HALF_NORMS, PRECISIONS, split_arm
+from recipes.sweeps.output_scale import gain_factor, scale_gains, split_gain
 from recipes.sweeps.claims.mechanism import MECHANISM_LR
 from recipes.sweeps.score import DIVERGED_BPB
 from recipes.sweeps.cells.half_inputs import HalfInputs
 from recipes.sweeps.cells.master_weights import use_fp32_master
+from recipes.sweeps.cells.residual_trace import ResidualTrace, trace_callback
 from recipes.sweeps.series import thin
 from recipes.text.data import TextDataModule
 
-__all__ = ["GRADIENT_CLIP", "MASTER", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
+#: the arms' norms swapped in after the model is built with its own (not a --model.norm of the LM recipe)
+SWAPPED = (*HALF_NORMS, "dyt")
+
+#: DyT's initial alpha on the LM's Llama: the paper's LLaMA values for its narrowest LLM (7B: 0.8 in front of
+#: attention, 0.2 elsewhere; lightning_mrs.swap.dyt.LLAMA_ALPHA0), the paper's initialisation for LLMs
+DYT_ALPHA0 = {"*.input_layernorm": 0.8, "*": 0.2}
+
+__all__ = ["DYT_ALPHA0", "GRADIENT_CLIP", "MASTER", "MASTERS", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
 
 
 
@@ -103,6 +112,8 @@ class ScalerLog(Callback):
 
 #: results.csv's name of 16-true with float32 master weights (lm_claims.PRECISIONS["fp16-master"])
 MASTER = PRECISIONS["fp16-master"]
+#: the pure half precisions trained on float32 master weights -> Lightning's precision for the model
+MASTERS = {MASTER: "16-true", PRECISIONS["bf16-master"]: "bf16-true"}
 #: the gradient clipping of every cell (the LM recipe's): by global norm
 GRADIENT_CLIP = 1.0
 
@@ -110,8 +121,8 @@ GRADIENT_CLIP = 1.0
 def trainer_precision(precision: str, accelerator: str) -> dict[str, Any]:
     """The Trainer's ``precision``/``plugins`` for a precision name (fp16 on the CPU: a real scaler; the master-weight
     16-true: Lightning's 16-true, the optimizer does the rest)."""
-    if precision == MASTER:
-        return {"precision": "16-true"}
+    if precision in MASTERS:
+        return {"precision": MASTERS[precision]}
     if cpu_fp16(precision, accelerator):
         return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
     return {"precision": precision}
@@ -137,22 +148,35 @@ def build_model(args: argparse.Namespace, arm: str, lr: float) -> ByteLM:
     d = args.sweep.datasets[args.dataset]
     setting = _setting(args, arm)
     chosen = setting["model"]
-    half = chosen.get("norm") in HALF_NORMS  # experimental: not a --model.norm of the recipe
+    norm, _ = split_gain(chosen["norm"])  # "-as-<family>": the gains start at that family's output scale
+    half = norm in SWAPPED  # experimental: not a --model.norm of the recipe
     model = ByteLM(arch=args.arch, config=args.arch_kwargs, mrs_backend=args.mrs_backend, lr=lr,
                    weight_decay=args.weight_decay, warmup_frac=args.warmup_frac, schedule=args.schedule,
-                   seq_len=args.seq_len, sample_bytes=0, **{**chosen, "norm": "none" if half else chosen["norm"]})
+                   seq_len=args.seq_len, sample_bytes=0, **{**chosen, "norm": "none" if half else norm})
     if half:
         with warnings.catch_warnings():  # "converted none" is check_swap's error
             warnings.simplefilter("ignore")
-            model.swap_report = swap_norms(model.model, chosen["norm"])
-        check_swap(model.model, args.arch, chosen["norm"], chosen.get("qk_norm", "none"), model.swap_report)
-        if setting["precision"] == "16-mixed":  # under autocast their inputs would be float32: cast, and record
-            model.half_inputs = HalfInputs(model.model)
-    if setting["precision"] == MASTER:
+            model.swap_report = swap_norms(model.model, norm, **({"alpha0": DYT_ALPHA0} if norm == "dyt" else {}))
+        check_swap(model.model, args.arch, norm, chosen.get("qk_norm", "none"), model.swap_report)
+        if norm in HALF_NORMS and setting["precision"] == "16-mixed":  # under autocast their inputs would be
+            model.half_inputs = HalfInputs(model.model)  # float32: cast, and record
+    if norm != chosen["norm"]:
+        scale_gains(model.model, _norm_types(norm), gain_factor(chosen["norm"]))
+    if setting["precision"] in MASTERS:
         use_fp32_master(model, GRADIENT_CLIP)
     if chosen.get("qk_norm", "none") == "none":
         expose_attention(model.model)
     return model
+
+
+def _norm_types(norm: str) -> tuple[type, ...]:
+    """The module types of the body norms an arm's ``norm`` puts in the model (for ``-as-`` gain scaling)."""
+    from lightning_mrs.swap.half import MRSNormHalf, RMSNormHalf
+
+    if norm in HALF_NORMS:
+        return (RMSNormHalf, MRSNormHalf)
+    raise UsageError(f"{norm!r}-as-...: the output-scale controls are for the half-precision norms "
+                     f"({', '.join(HALF_NORMS)}).")
 
 
 def check_lm_cells(args: argparse.Namespace, cells: list[tuple[str, float, int, int]]) -> dict[str, Any]:
@@ -197,15 +221,16 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         shutil.rmtree(tb_dir)
     tb = RunLogger(save_dir=str(out / "tb"), name=name, version="")
     memory, divergence, scaler = MemoryLogger(), DivergenceStop(), ScalerLog()
+    trace = ResidualTrace(model.model)  # the residual stream's largest |x| per layer and step (issue 56)
     steps = args.max_steps
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=steps, logger=[tb, memory],
-        callbacks=[*args.sweep.monitors(args), divergence, scaler, ValidateAtEnd()],
+        callbacks=[*args.sweep.monitors(args), divergence, scaler, trace_callback(trace), ValidateAtEnd()],
         log_every_n_steps=args.log_every, val_check_interval=args.val_every or max(1, steps // VALIDATIONS),
         check_val_every_n_epoch=None, limit_val_batches=int(args.limit_val_batches) if args.limit_val_batches > 1
         else args.limit_val_batches, num_sanity_val_steps=0, enable_checkpointing=False,
         # the master-weight optimizer clips its float32 master gradients itself (recipes/sweeps/cells/master_weights.py)
-        gradient_clip_val=None if setting["precision"] == MASTER else GRADIENT_CLIP,
+        gradient_clip_val=None if setting["precision"] in MASTERS else GRADIENT_CLIP,
         enable_model_summary=False, enable_progress_bar=args.progress, default_root_dir=str(out),
         **trainer_precision(setting["precision"], args.accelerator),
     )
@@ -234,6 +259,8 @@ def run_lm_cell(args: argparse.Namespace, out: Path, name: str, *, arm: str, lr:
         **({"norm_input_dtypes": dict(model.half_inputs.seen)} if hasattr(model, "half_inputs") else {}),
         **_mechanism(args, model, dm, arm, {"lr": lr, "batch_size": batch_size, "seed": seed}, diverged_at),
         **metrics,
+        "growth": [{args.sweep.arm_column: arm, "lr": lr, "batch_size": batch_size, "seed": seed, **row}
+                   for row in trace.rows()],
         "tb_run": str(Path("tb") / name),
         "curves": {"train_loss": thin(losses), "val_bpb": [[s, v] for s, v in val], "loss_scale": thin(scaler.scales),
                    **curves},

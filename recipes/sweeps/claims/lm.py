@@ -22,18 +22,22 @@ from recipes.sweeps.records import Row, distinct_lrs, select, survived
 from recipes.sweeps.robustness import by_arm, robustness
 from recipes.sweeps.score import BPB, DIVERGED_BPB, NEAR_FRACTION
 
-__all__ = ["CLAIM_PRECISIONS", "HALF_NORMS", "NAIVE_HALF", "SAFE_HALF", "HIGH_LR_MIN", "LARGE_SHARE", "MARGIN_BPB", "NORMS", "PRECISIONS", "RULE",
+__all__ = ["CLAIM_PRECISIONS", "HALF_NORMS", "NAIVE_HALF", "SAFE_HALF", "HIGH_LR_MIN", "LARGE_SHARE", "MARGIN_BPB", "NORMS", "PRECISIONS", "RULE", "SCALE_CONTROLS", "EXTRA_NORMS",
            "SCALE_FLOOR", "TEXT", "arm_name", "claims", "failed", "per_seed", "split_arm"]
 
 #: the experimental norms computed in the input's dtype (lightning_mrs.swap.half): squares formed in it, and safe
 NAIVE_HALF, SAFE_HALF = ("rms-half", "mrs-half"), ("rms-half-safe", "mrs-half-safe")
 HALF_NORMS = (*NAIVE_HALF, *SAFE_HALF)
 NORMS = ("rms", "mrs", "layer", *HALF_NORMS)
+#: the output-scale controls of the safe pair (recipes/sweeps/output_scale.py: gains started at the other formula's
+#: output scale) and Dynamic Tanh (Zhu et al. 2025, the swap target ``dyt``): arms of P1t's rerun (issue 56)
+SCALE_CONTROLS = ("rms-half-safe-as-mrs", "mrs-half-safe-as-rms")
+EXTRA_NORMS = (*SCALE_CONTROLS, "dyt")
 #: an arm's precision -> its name in results.csv: Lightning's (fp16: with a loss scaler, also on the CPU; fp16-true:
 #: the model in float16); fp16-master: 16-true with float32 master weights and AdamW state
 #: (recipes/sweeps/cells/master_weights.py)
 PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp16-true": "16-true", "fp16-master": "16-true+fp32-master",
-              "fp32": "32-true"}
+              "bf16-master": "bf16-true+fp32-master", "fp32": "32-true"}
 #: the precisions the claims P2-P5 compare (fp32 is a reference only; fp16-true: P1h; fp16-master: P1t)
 CLAIM_PRECISIONS = ("bf16", "fp16")
 #: "high" learning rates: ten times the recipe's AdamW default (1e-3) and above

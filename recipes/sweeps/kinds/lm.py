@@ -6,9 +6,12 @@ computed in the input's dtype) at a precision (``bf16``: bfloat16 autocast; ``fp
 loss scaler, where the residual stream, hence every norm input, stays float32, so a half norm's input is cast
 to float16 there, :mod:`recipes.sweeps.cells.half_inputs`; ``fp16-true``: the model cast to float16, Lightning's
 ``16-true``; ``fp16-master``: ``16-true`` with AdamW on float32 master weights,
-:mod:`recipes.sweeps.cells.master_weights`; ``fp32``: a
+:mod:`recipes.sweeps.cells.master_weights`; ``bf16-master``: the same in ``bf16-true``; ``fp32``: a
 reference, run at the smallest and the largest swept learning rates and at the mechanism stress's),
-e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes
+e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes. P1t's controls (issue 56): a half
+norm with the suffix ``-as-<family>`` starts its gains at that family's output scale
+(:mod:`recipes.sweeps.output_scale`, e.g. ``rms-half-safe-as-mrs-fp16-master``), and ``dyt`` is Dynamic Tanh; every
+cell records the residual stream's largest ``|x|`` per layer and step (:mod:`recipes.sweeps.cells.residual_trace`)
 (:mod:`recipes.sweeps.cells.lm`). ``results.csv`` has the arm's factors as columns (``norm``,
 ``precision``: Lightning's name). The ``OutlierMonitor`` records the norms' inputs, the
 ``GradientHomogeneityMonitor`` the phasor gradients, the ``AttentionMonitor`` the attention logits,
@@ -39,7 +42,7 @@ from typing import Any, Mapping, Optional
 
 from recipes.sweeps import figure as fig
 from recipes.sweeps.kind import History, Measured, Sweep
-from recipes.sweeps.claims.lm import (HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
+from recipes.sweeps.claims.lm import (EXTRA_NORMS, HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
                                       RULE, SCALE_FLOOR, TEXT, arm_name, claims, split_arm)
 from recipes.sweeps.claims.mechanism import CHANNEL, MECHANISM, MECHANISM_LR
 from recipes.sweeps.records import Row, distinct_lrs, same_lr, select
@@ -93,7 +96,7 @@ def figure(rows: list[Row], path: Path) -> Any:
     """Per precision a column: final bpb against lr (top), RMSNorm's largest-channel share of the norm inputs
     (``max_rms_share``, bottom); a red x where a seed diverged. Returns the panels (2 x precisions)."""
     plt = fig.pyplot()
-    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp16-master", "fp32")
+    precisions = [p for p in ("bf16", "fp16", "fp16-true", "fp16-master", "bf16-master", "fp32")
                   if any(split_arm(r.arm)[1] == p for r in rows)]
     all_lrs, seeds = distinct_lrs(rows), sorted({r.seed for r in rows})
     bs = min(r.batch_size for r in rows)
@@ -196,7 +199,10 @@ def _model_arms(arm: str) -> dict[str, Any]:
     return {"norm": norm, "qk_norm": "none", "precision": precision}
 
 
-LM_ARMS = tuple(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS)
+LM_ARMS = tuple(dict.fromkeys((
+    *(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS),
+    # P1t's rerun (issue 56): the safe pair's output-scale controls and DyT, and all of them in pure bf16
+    *(arm_name(n, p) for p in ("fp16-master", "bf16-master") for n in (*HALF_NORMS, *EXTRA_NORMS)))))
 #: the default grid's arms: every shipped norm in fp16 and bf16 (fp16 first: the premise); the half-precision norms
 #: inside fp16 autocast (P1m); in pure fp16 the naive half norms and the shipped rms and mrs beside them (P1h); the
 #: four half norms in pure fp16 with float32 master weights (P1t); the fp32 reference for rms and mrs

@@ -199,7 +199,9 @@ def test_arms_split_into_tidy_columns() -> None:
     assert split_arm("rms-half-fp16-true") == ("rms-half", "fp16-true") and split_arm("mrs-fp16") == ("mrs", "fp16")
     assert factors({"arm": "mrs-half-fp16-true"}) == {"norm": "mrs-half", "precision": "16-true"}
     assert {factors({"arm": a})["precision"] for a in LM.arms} == {"16-mixed", "bf16-mixed", "16-true", "16-true+fp32-master",
-                                                                           "32-true"}
+                                                                           "bf16-true+fp32-master", "32-true"}
+    assert factors({"arm": "rms-half-safe-as-mrs-bf16-master"}) == {"norm": "rms-half-safe-as-mrs",
+                                                                    "precision": "bf16-true+fp32-master"}
     row = LM.row({"arm": "rms-bf16", "lr": "0.1", "batch_size": "16", "seed": "0", "max_fp16_overflow_frac": "0.25"})
     assert row.factors == {"norm": "rms", "precision": "bf16-mixed"}
     assert row.metrics["max_x2_over_fp16_frac"] == 0.25  # a record written before the rename
