@@ -48,6 +48,7 @@ def test_build_is_cached_on_disk_and_reused(fresh_build: Path, monkeypatch: pyte
     assert commands and not any(str(cpu_kernels.SOURCE) in map(str, cmd) for cmd in commands)  # `c++ --version` only
 
 
+@pytest.mark.slow  # a second C++ build (~19 s): the default suite keeps test_build_is_cached_on_disk_and_reused
 def test_an_edited_header_is_a_new_build(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

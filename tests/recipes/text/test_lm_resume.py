@@ -214,6 +214,7 @@ def test_ctrl_c_through_the_script_exits_130_with_the_resume_command(tmp_path: P
     assert "Traceback" not in out
 
 
+@pytest.mark.slow  # three fits (~15 s)
 def test_precision_line_with_gradient_accumulation(tmp_path: Path, lm: LMRun) -> None:
     status, out = lm([*TINY, "--trainer.accumulate_grad_batches", "2", "--trainer.default_root_dir",
                           str(tmp_path)])
