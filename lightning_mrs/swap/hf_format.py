@@ -15,7 +15,9 @@ of its own class (``isinstance`` checks hold) that changes two things:
   model, and a model with no swapped layer saves in its family's own format;
 * its ``__init__`` rebuilds the recorded layers before the weights load, the record's names
   mapped onto the class built (a causal LM's directory loads as ``AutoModel`` or a classifier, as
-  transformers maps the weights' keys).
+  transformers maps the weights' keys). The model's config is the family's (``model_type`` too),
+  and ``is_custom_code`` is the extended class's: transformers loads, initialises and saves it as
+  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills).
 
 A user's subclass (``class MyClassifier(LlamaForSequenceClassification)``) keeps its class in
 memory and saves as its transformers base (``LightningMRSLlamaForSequenceClassification``), the
@@ -186,7 +188,8 @@ def swapped_class(own: type) -> type:
             base = family_base(own)
             name = PREFIX + (base or own).__name__  # a user's subclass saves as its transformers base
             body = {"__module__": CODE, "__qualname__": name, "__init__": _init, "save_pretrained": _save_pretrained,
-                    "__reduce_ex__": _reduce_ex, "_lightning_mrs_own": own, "_lightning_mrs_base": base,
+                    "__reduce_ex__": _reduce_ex, "is_custom_code": classmethod(_is_custom_code),
+                    "_lightning_mrs_own": own, "_lightning_mrs_base": base,
                     "__doc__": f"``{own.__name__}`` whose norms lightning-mrs swapped."}
             if base is not None and getattr(base, "config_class", None) is not None:
                 body["config_class"] = config_class(base.config_class)
@@ -197,6 +200,13 @@ def swapped_class(own: type) -> type:
                 cls.register_for_auto_class(min(autos, key=lambda a: (a != "AutoModelForCausalLM", a)))
             _CLASSES[own] = cls
     return cls
+
+
+def _is_custom_code(cls: type) -> bool:
+    """The answer of the class a swapped class extends (``False`` for a transformers class): its code is
+    that class's, so transformers loads, initialises and saves it as that class (the family's checkpoint
+    conversions, a parent's ``_init_weights`` that fills its children's buffers: FalconH1's ``mup_vector``)."""
+    return _own(cls).is_custom_code()
 
 
 def _new_swapped(own: type) -> nn.Module:
@@ -236,8 +246,8 @@ def plain_config(config: Any) -> Any:
         return config
     config = copy.deepcopy(config)
     config.__class__ = base
-    vars(config).pop(RECORD_KEY, None)
-    vars(config).pop("auto_map", None)
+    for key in (RECORD_KEY, "auto_map", "model_type"):  # a loaded config.json's model_type: lightning_mrs_<family>
+        vars(config).pop(key, None)
     return config
 
 
