@@ -171,10 +171,22 @@ def config_class(base: type) -> type:
             importlib.import_module(CODE)  # in sys.modules: transformers' custom_object_save copies its file
             cls = type(name, (base,), {"model_type": f"lightning_mrs_{base.model_type}", "__module__": CODE,
                                        "__qualname__": name, "_lightning_mrs_config_base": base,
+                                       "from_dict": classmethod(_config_from_dict),
                                        "__doc__": f"``{base.__name__}`` of a model whose norms lightning-mrs swapped."})
             cls.register_for_auto_class("AutoConfig")
             _CLASSES[base] = cls
     return cls
+
+
+def _config_from_dict(cls: type, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+    """The config of the family ``config_dict`` names, as ``AutoConfig`` reads it: a family whose model
+    class is another's (``exaone``: ``LlamaForCausalLM``) keeps its own config class, whose ``model_type``
+    finds its checkpoint conversion."""
+    families, model_type = _transformers().CONFIG_MAPPING, str(config_dict.get("model_type", "")).removeprefix("lightning_mrs_")
+    family = families[model_type] if model_type in families else None  # a lazy mapping: its get() finds nothing
+    if isinstance(family, type) and family is not cls._lightning_mrs_config_base:
+        cls = config_class(family)
+    return super(cls, cls).from_dict.__func__(cls, config_dict, **kwargs)
 
 
 def swapped_class(own: type) -> type:
@@ -298,6 +310,9 @@ def saved_config(model: nn.Module) -> Any:
                          "code?): save its state_dict, and swap a fresh model before loading it")
     plain = type(config)
     config.__class__ = config_class(plain)
+    # transformers finds the family's checkpoint conversion (reverted on save) by the config's model_type;
+    # config.json holds the class's (lightning_mrs_<family>)
+    config.model_type = plain.model_type
     setattr(config, RECORD_KEY, {"format": FORMAT, "version": __version__, "layers": layers})
     config.auto_map = auto_map(plain)
     return config

@@ -1,7 +1,8 @@
 """A swapped transformers model loads, initialises and saves as its transformers class does, not as
 custom code: transformers' checkpoint conversions (a mixture of experts' fused tensors) and a parent
 model's ``_init_weights`` filling its children's non-persistent buffers (FalconH1's ``mup_vector``)
-apply to ``LightningMRS<Base>`` exactly as to the unswapped family, so a reload is bit for bit.
+apply to ``LightningMRS<Base>`` exactly as to the unswapped family, and a family that shares
+another's model class (``exaone``: ``LlamaForCausalLM``) loads its own config class, so a reload is bit for bit.
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ def _swapped(model_type: str) -> torch.nn.Module:
     return model
 
 
-def test_a_mixture_of_experts_saves_in_its_familys_checkpoint_format_and_reloads_bit_for_bit(tmp_path):
-    plain = tiny_causal_lm("flex_olmo")
+@pytest.mark.parametrize("model_type", ["flex_olmo", "exaone"])  # fused experts; Llama's class, its own config
+def test_a_swapped_model_saves_in_its_familys_checkpoint_format_and_reloads_bit_for_bit(tmp_path, model_type):
+    plain = tiny_causal_lm(model_type)
     plain.save_pretrained(tmp_path / "plain")
-    model = _swapped("flex_olmo")
+    model = _swapped(model_type)
     model.save_pretrained(tmp_path / "swapped")
-    # transformers' own save of the family reverts its conversion (per-expert keys): so does the swapped save
-    assert _keys(tmp_path / "swapped") == _keys(tmp_path / "plain")
+    # transformers' own save of the family reverts its conversion (per-expert keys, exaone's legacy names)
+    saved, family = _keys(tmp_path / "swapped"), _keys(tmp_path / "plain")
+    assert family <= saved and all(k.split(".")[-2] in ("q_norm", "k_norm") for k in saved - family)
     again = from_pretrained(tmp_path / "swapped", attn_implementation="eager")
-    assert again.config.model_type == plain.config.model_type == "flex_olmo"  # the family's config in memory
+    assert again.config.model_type == plain.config.model_type == model_type  # the family's config in memory
+    assert type(again.config) is type(plain.config)
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
     tokens = token_batch()
