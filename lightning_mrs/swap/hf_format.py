@@ -15,7 +15,9 @@ of its own class (``isinstance`` checks hold) that changes two things:
   model, and a model with no swapped layer saves in its family's own format;
 * its ``__init__`` rebuilds the recorded layers before the weights load, the record's names
   mapped onto the class built (a causal LM's directory loads as ``AutoModel`` or a classifier, as
-  transformers maps the weights' keys).
+  transformers maps the weights' keys). The model's config is the family's (``model_type`` too),
+  and ``is_custom_code`` is the extended class's: transformers loads, initialises and saves it as
+  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills).
 
 A user's subclass (``class MyClassifier(LlamaForSequenceClassification)``) keeps its class in
 memory and saves as its transformers base (``LightningMRSLlamaForSequenceClassification``), the
@@ -169,10 +171,22 @@ def config_class(base: type) -> type:
             importlib.import_module(CODE)  # in sys.modules: transformers' custom_object_save copies its file
             cls = type(name, (base,), {"model_type": f"lightning_mrs_{base.model_type}", "__module__": CODE,
                                        "__qualname__": name, "_lightning_mrs_config_base": base,
+                                       "from_dict": classmethod(_config_from_dict),
                                        "__doc__": f"``{base.__name__}`` of a model whose norms lightning-mrs swapped."})
             cls.register_for_auto_class("AutoConfig")
             _CLASSES[base] = cls
     return cls
+
+
+def _config_from_dict(cls: type, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+    """The config of the family ``config_dict`` names, as ``AutoConfig`` reads it: a family whose model
+    class is another's (``exaone``: ``LlamaForCausalLM``) keeps its own config class, whose ``model_type``
+    finds its checkpoint conversion."""
+    families, model_type = _transformers().CONFIG_MAPPING, str(config_dict.get("model_type", "")).removeprefix("lightning_mrs_")
+    family = families[model_type] if model_type in families else None  # a lazy mapping: its get() finds nothing
+    if isinstance(family, type) and family is not cls._lightning_mrs_config_base:
+        cls = config_class(family)
+    return super(cls, cls).from_dict.__func__(cls, config_dict, **kwargs)
 
 
 def swapped_class(own: type) -> type:
@@ -186,7 +200,8 @@ def swapped_class(own: type) -> type:
             base = family_base(own)
             name = PREFIX + (base or own).__name__  # a user's subclass saves as its transformers base
             body = {"__module__": CODE, "__qualname__": name, "__init__": _init, "save_pretrained": _save_pretrained,
-                    "__reduce_ex__": _reduce_ex, "_lightning_mrs_own": own, "_lightning_mrs_base": base,
+                    "__reduce_ex__": _reduce_ex, "is_custom_code": classmethod(_is_custom_code),
+                    "_lightning_mrs_own": own, "_lightning_mrs_base": base,
                     "__doc__": f"``{own.__name__}`` whose norms lightning-mrs swapped."}
             if base is not None and getattr(base, "config_class", None) is not None:
                 body["config_class"] = config_class(base.config_class)
@@ -197,6 +212,13 @@ def swapped_class(own: type) -> type:
                 cls.register_for_auto_class(min(autos, key=lambda a: (a != "AutoModelForCausalLM", a)))
             _CLASSES[own] = cls
     return cls
+
+
+def _is_custom_code(cls: type) -> bool:
+    """The answer of the class a swapped class extends (``False`` for a transformers class): its code is
+    that class's, so transformers loads, initialises and saves it as that class (the family's checkpoint
+    conversions, a parent's ``_init_weights`` that fills its children's buffers: FalconH1's ``mup_vector``)."""
+    return _own(cls).is_custom_code()
 
 
 def _new_swapped(own: type) -> nn.Module:
@@ -236,8 +258,8 @@ def plain_config(config: Any) -> Any:
         return config
     config = copy.deepcopy(config)
     config.__class__ = base
-    vars(config).pop(RECORD_KEY, None)
-    vars(config).pop("auto_map", None)
+    for key in (RECORD_KEY, "auto_map", "model_type"):  # a loaded config.json's model_type: lightning_mrs_<family>
+        vars(config).pop(key, None)
     return config
 
 
@@ -288,6 +310,9 @@ def saved_config(model: nn.Module) -> Any:
                          "code?): save its state_dict, and swap a fresh model before loading it")
     plain = type(config)
     config.__class__ = config_class(plain)
+    # transformers finds the family's checkpoint conversion (reverted on save) by the config's model_type;
+    # config.json holds the class's (lightning_mrs_<family>)
+    config.model_type = plain.model_type
     setattr(config, RECORD_KEY, {"format": FORMAT, "version": __version__, "layers": layers})
     config.auto_map = auto_map(plain)
     return config
