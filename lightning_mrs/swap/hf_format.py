@@ -201,7 +201,7 @@ def swapped_class(own: type) -> type:
             name = PREFIX + (base or own).__name__  # a user's subclass saves as its transformers base
             body = {"__module__": CODE, "__qualname__": name, "__init__": _init, "save_pretrained": _save_pretrained,
                     "__reduce_ex__": _reduce_ex, "is_custom_code": classmethod(_is_custom_code),
-                    "_lightning_mrs_own": own, "_lightning_mrs_base": base,
+                    "_lightning_mrs_own": own,
                     "__doc__": f"``{own.__name__}`` whose norms lightning-mrs swapped."}
             if base is not None and getattr(base, "config_class", None) is not None:
                 body["config_class"] = config_class(base.config_class)

@@ -199,7 +199,7 @@ class SwapOptions:
             raise ValueError(f"SwapOptions: init={self.init!r} is not valid; choose one of {list(_INITS)}.")
         check_bool("SwapOptions", "strict", self.strict)
         eps = self.eps
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+        if eps is not None and not _positive(eps):
             raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
                              "finite float > 0.")
         object.__setattr__(self, "alpha0", _alpha0(self.alpha0, self.target))

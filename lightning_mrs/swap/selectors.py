@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Union
 
 from torch import nn
 
+from lightning_mrs.swap.dyt import DEFAULT_ALPHA0
 from lightning_mrs.swap.options import SwapOptions
 
 __all__ = ["alpha0_of", "check_selectors", "deselected", "matches"]
@@ -47,15 +48,16 @@ def deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Option
     return "not matched by include" if opts.include and matches(module, names, opts.include) is None else None
 
 
-def alpha0_of(opts: SwapOptions, module: nn.Module, names: list[str], default: float) -> float:
+def alpha0_of(opts: SwapOptions, module: nn.Module, names: list[str]) -> float:
     """The initial alpha of the DyT layer that replaces ``module`` (``SwapOptions.alpha0``): the value of
-    the first pattern that picks it, ``default`` where none does or ``alpha0`` is None."""
-    if opts.alpha0 is None or isinstance(opts.alpha0, float):
-        return default if opts.alpha0 is None else opts.alpha0
+    the first pattern that picks it, :data:`~lightning_mrs.swap.dyt.DEFAULT_ALPHA0` where none does or
+    ``alpha0`` is None."""
+    if not isinstance(opts.alpha0, tuple):  # None or one float (SwapOptions checked it)
+        return DEFAULT_ALPHA0 if opts.alpha0 is None else opts.alpha0
     for pattern, alpha in opts.alpha0:
         if matches(module, names, (pattern,)) is not None:
             return alpha
-    return default
+    return DEFAULT_ALPHA0
 
 
 def _hint(pattern: str, names: list[str]) -> str:
@@ -86,7 +88,7 @@ def check_selectors(owner: str, opts: SwapOptions, model: nn.Module, names: Iter
     names = sorted(set(names))
     types = {type(m) for m in model.modules()}
     problems = []
-    alpha0 = () if opts.alpha0 is None or isinstance(opts.alpha0, float) else tuple(p for p, _ in opts.alpha0)
+    alpha0 = tuple(p for p, _ in opts.alpha0) if isinstance(opts.alpha0, tuple) else ()
     for option, selectors in (("include", opts.include), ("exclude", opts.exclude), ("alpha0", alpha0)):
         for sel in selectors:
             if isinstance(sel, type):
