@@ -38,8 +38,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
+
+from recipes.common.interrupt import STOPS
 
 __all__ = ["CLASSIFIER_SUMMARY", "FINAL", "REDUCTIONS", "HParamsSummary", "RunLogger", "StepCSVLogger",
            "flatten_params", "log_hparams"]
@@ -355,7 +356,7 @@ class HParamsSummary(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # nothing lost on a crash: the session of what was measured up to the interruption
         if trainer.state.fn == "fit":
-            stopped = isinstance(exception, (KeyboardInterrupt, SIGTERMException))  # Ctrl-C, SIGTERM
+            stopped = isinstance(exception, STOPS)  # Ctrl-C, SIGTERM
             ended = "interrupted" if stopped else f"failed: {type(exception).__name__}"
             self._log(trainer, pl_module, ended, "failure")
 

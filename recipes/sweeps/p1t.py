@@ -26,7 +26,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from recipes.sweeps.claims.lm import split_arm
+from recipes.sweeps.claims.lm import EXTRA_NORMS, SAFE_HALF, SCALE_CONTROLS, split_arm
+from recipes.sweeps.claims.mechanism import FP16_MAX
 from recipes.sweeps.records import write_atomic
 
 __all__ = ["COLUMNS", "GROWTH_COLUMNS", "collect", "main", "newcombe", "render", "verdict", "wilson"]
@@ -36,10 +37,9 @@ COLUMNS = ("size", "arm", "norm", "precision", "lr", "seed", "threads", "diverge
 GROWTH_COLUMNS = ("size", "arm", "lr", "seed", "step", "point", "absmax")
 Z95 = 1.959963984540054  # the standard normal's 97.5 % quantile
 #: the rule's arms (docs/results-lm.md, "P1t with controls"): RMSNorm, MRSNorm, and each at the other's output scale
-RMS, MRS, RMS_AS_MRS, MRS_AS_RMS = "rms-half-safe", "mrs-half-safe", "rms-half-safe-as-mrs", "mrs-half-safe-as-rms"
-ORDER = (RMS, MRS, RMS_AS_MRS, MRS_AS_RMS, "dyt")
+(RMS, MRS), (RMS_AS_MRS, MRS_AS_RMS) = SAFE_HALF, SCALE_CONTROLS
+ORDER = (*SAFE_HALF, *EXTRA_NORMS)
 PRIMARY = {"size": "2x32", "precision": "fp16-master", "lr": 0.1, "threads": 1}
-FP16_MAX = 65504.0
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:

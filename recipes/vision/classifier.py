@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -108,6 +108,7 @@ class ImageClassifier(pl.LightningModule):
         self.hparams.update(chosen)  # the optimizer's defaults, resolved: checkpoints and logs state them
         self.model = build_model(arch, num_classes, cifar_stem, arch_kwargs)
         self.swap_report = None
+        self._schedule: Optional[Callable[[int], float]] = None  # the lr factor per step, set in on_train_start
         target = None if norm == "batch" else norm  # batch: the model's own norms stay
         if target is not None or qk_norm != "none":
             self.swap_report = swap_norms(self.model, target=target,  # printed when fitting starts
@@ -178,7 +179,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _factor(self, step: int) -> float:
         """The lr factor of ``step`` on the run's schedule (1 until :meth:`on_train_start` knows its length)."""
-        return self._schedule(step) if getattr(self, "_schedule", None) is not None else 1.0
+        return self._schedule(step) if self._schedule is not None else 1.0
 
     @override
     def on_train_start(self) -> None:

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_mrs import swap_norms
 from lightning_mrs.swap.attention import expose_attention
+from lightning_mrs.swap.dyt import LLAMA_ALPHA0
 from recipes.common.training import ValidateAtEnd, cpu_fp16
 from recipes.common.errors import UsageError
 from recipes.common.hparams import FINAL, RunLogger, log_hparams
@@ -64,7 +65,7 @@ SWAPPED = (*HALF_NORMS, "dyt")
 
 #: DyT's initial alpha on the LM's Llama: the paper's LLaMA values for its narrowest LLM (7B: 0.8 in front of
 #: attention, 0.2 elsewhere; lightning_mrs.swap.dyt.LLAMA_ALPHA0), the paper's initialisation for LLMs
-DYT_ALPHA0 = {"*.input_layernorm": 0.8, "*": 0.2}
+DYT_ALPHA0 = dict(zip(("*.input_layernorm", "*"), LLAMA_ALPHA0["7b"]))
 
 __all__ = ["DYT_ALPHA0", "GRADIENT_CLIP", "MASTER", "MASTERS", "PRECISIONS", "VALIDATIONS", "ScalerLog", "check_lm_cells", "datamodule", "run_lm_cell", "trainer_precision"]
 
