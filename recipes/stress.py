@@ -42,50 +42,16 @@ Run from the repository root:
     # on your own images (DIR/train/<class>/* and DIR/val/<class>/*, or DIR/<class>/*), any recipe model
     python recipes/stress.py --dataset folder --root DIR --epochs 30 --arch resnet50 --image-size 64
 
-Every cell trains ``recipes/vision/classifier.py``'s ``ImageClassifier`` (the model of ``recipes/cifar100.py``)
-(``norm``: SGD, momentum 0.9, Nesterov; ``qk``: AdamW; cosine schedule stepped per step) on ``recipes/vision/data.py``'s
-``ImageDataModule`` and records the best and final validation top-1, the first optimizer step
-whose training loss was non-finite (the cell then stops and counts as chance accuracy from
-there on) and the mean ``phasor/all/grad_cv`` and ``phasor/all/starved_frac`` of
-``GradientHomogeneityMonitor``; a ``qk`` cell also the largest ``attention/all/logit_max``, the
-smallest ``attention/all/entropy_min`` and the largest ``attention/all/collapsed_frac`` of
-``AttentionMonitor`` over training.
-An ``lm``/``lm-qk`` cell trains ``recipes/lm.py``'s ``ByteLM`` (:mod:`recipes.sweeps.cells.lm`) and records
-the final and best validation bits per byte (a diverged cell counts as 8 bits per byte), the first
-non-finite loss step, the loss scaler's skipped steps and final scale (fp16), the OutlierMonitor's
-worst absmax, denominator shares and x2_over_fp16_frac, grad_cv and starved_frac, and the largest
-attention logit; ``results.csv`` has the arm's factors (``norm``, ``precision``) as columns. Every
-``results.csv`` row also says the machine it ran on (device, CPU model, torch's vector ISA, threads).
-Outputs in ``--out`` (default ``runs/stress_<dataset>``, ``runs/stress_qk_<dataset>``,
-``runs/stress_lm_<dataset>``, ``runs/stress_lm_qk_<dataset>``):
+What a cell trains and records, the outputs in ``--out`` (``cells/<cell>.json``, ``results.csv``, ``results.md``,
+``results.png``, ``tb/``) and how a sweep resumes: docs/recipes.md. Every cell's settings are checked before the first
+cell runs: a mistake is one ``error:`` line, exit status 2, and writes nothing. Ctrl-C keeps the finished cells (exit
+status 130); a rerun of the same command resumes. ``--quick`` runs one seed, so its report gives no verdicts.
 
-- ``cells/<cell>.json``: one file per finished cell, written atomically; the sweep's record (naming its worker).
-  A rerun with the same ``--out`` skips these cells, so an interrupted sweep loses only the
-  cells in progress.
-- ``results.csv`` (one row per cell), ``robustness.csv`` (LR sensitivity and the largest lr
-  still reaching 90 % of the best, per arm and batch size), ``results.md`` (setup, the
-  verdict on each claim computed from ``results.csv``, and for every inconclusive comparison
-  the seeds per arm that would resolve it, the robustness tables, mean ± sd over seeds per
-  cell) and ``results.png`` (top-1 against lr per batch size; ``qk``: top-1 and the largest
-  attention logit against lr); ``--sweep lm`` also ``mechanism.csv`` and ``mechanism.png``.
-  ``python -m recipes.sweeps.rebuild`` rebuilds a report from its CSV files alone.
-- ``tb/<cell>/``: each cell's TensorBoard run (``tensorboard --logdir <out>/tb``).
-- ``settings.json``: the settings of the sweep; a rerun with different settings is refused.
-  ``data.json``: the classes and the training and validation sizes.
+Each cell is a task of a ``dask.distributed`` cluster (this machine's by default: ``--jobs N`` worker processes,
+``--jobs 1`` trains in this process); this process alone writes the records. On several machines (the ``[cluster]``
+extra; the repository and ``--out`` on a shared filesystem):
 
-Every cell's settings are checked before the first cell runs (the data once, each arm's model once):
-a mistake is one ``error:`` line, exit status 2, and writes nothing. ``--quick`` runs one seed, so
-every claim of its report is inconclusive by construction; the report says so and gives the command
-that would give verdicts. Ctrl-C keeps the finished cells (exit status 130). While it runs, a sweep
-locks its ``--out``: a second sweep into it refuses, naming the process that holds it (a lock left by a killed
-process is reported as stale and taken over).
-
-Each cell is a task of a ``dask.distributed`` cluster; this process alone writes the records, as they arrive.
-By default the cluster is this machine's (``--jobs N`` worker processes; ``--jobs 1`` trains in this process);
-several machines (the ``[cluster]`` extra; the repository and ``--out`` on a shared filesystem):
-
-    # workers you started: dask scheduler; dask worker tcp://HOST:8786 --nthreads 1 (from the repository root,
-    # --resources GPU=1 per GPU: a worker process per GPU)
+    # workers you started (dask scheduler; dask worker tcp://HOST:8786 --nthreads 1 --resources GPU=1, per GPU)
     python recipes/stress.py --dataset cifar100 --scheduler tcp://HOST:8786
     # SLURM jobs started for the sweep (dask-jobqueue): 4 jobs of 4 GPUs, one worker process per GPU
     python recipes/stress.py --dataset cifar100 --slurm --slurm-partition gpu --slurm-gpus 4 --slurm-cpus 32 \

@@ -3,7 +3,7 @@
 Layout (one idea per module; the sweep kinds own everything that differs between them):
 
 * the machinery: :mod:`~recipes.sweeps.cli` - the command line; :mod:`~recipes.sweeps.runner` - the resumable
-  grid (shards, ``--jobs``, resume, :mod:`~recipes.sweeps.lock`, the refusal of changed
+  grid (``--jobs``, the Dask cluster, resume, :mod:`~recipes.sweeps.lock`, the refusal of changed
   :mod:`~recipes.sweeps.settings`); :mod:`~recipes.sweeps.kind` - :class:`~recipes.sweeps.kind.Sweep`, what a
   sweep kind provides; :mod:`~recipes.sweeps.rebuild` - a report from ``results.csv`` alone;
 * :mod:`~recipes.sweeps.kinds` - the kinds ``--sweep`` knows, one module each (``norm``, ``qk``, ``lm``,

@@ -39,7 +39,7 @@ _RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fractio
 QUICK_NOTE = ("--quick runs one seed per cell, so every claim of its report is inconclusive by construction "
               "(a verdict needs at least 2 seeds of every cell a claim compares; the full grid runs 3)")
 LOCK_NOTE = ("A sweep locks its --out while it runs: a second sweep into the same --out refuses to start and names "
-             "the other process; a lock left by a process that died is reported as stale and taken over.")
+             "the other process; the lock of a process that died is free again.")
 
 
 def usable_cpus() -> int:
@@ -60,6 +60,22 @@ def in_sweep_terms(message: str, kind: Optional[Sweep] = None) -> str:
     if kind is not None:
         message = re.sub(r"--model\.(qk_)?norm\b", kind.flag, message)
     return message
+
+
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)`` that must satisfy ``ok``, else ``argument --x: must be <rule>, got <text>``."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+_COUNT = _checked(int, lambda v: v >= 1, ">= 1")
+_LR = _checked(float, lambda v: v > 0 and math.isfinite(v), "> 0")
 
 
 def _list(values: Sequence[Any]) -> str:
@@ -132,8 +148,8 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
         g.add_argument(kind.flag, nargs="+", choices=list(kind.arms), metavar="ARM",
                        help=f"{kind.arms_help}: {arms}" if kind is shown else
                        f"--sweep {kind.name}'s arms (default: listed by --sweep {kind.name} --help)")
-    g.add_argument("--lrs", nargs="+", type=float, metavar="LR", help="peak learning rates " + per_kind(axis("lrs")))
-    g.add_argument("--batch-sizes", nargs="+", type=int, metavar="N", help=per_kind(axis("batch_sizes")))
+    g.add_argument("--lrs", nargs="+", type=_LR, metavar="LR", help="peak learning rates " + per_kind(axis("lrs")))
+    g.add_argument("--batch-sizes", nargs="+", type=_COUNT, metavar="N", help=per_kind(axis("batch_sizes")))
     g.add_argument("--seeds", nargs="+", type=int, metavar="N", help=per_kind(axis("seeds")))
     g.add_argument("--quick", action="store_true",
                    help="a coarse look in a few minutes: the smaller grid and budget marked --quick, into its own "
@@ -141,22 +157,22 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
     b = p.add_argument_group("training")
     budget = b.add_mutually_exclusive_group()
     quick_epochs = shown.quick.get("epochs", {}).get("digits")
-    budget.add_argument("--epochs", type=int, metavar="N", help="training epochs per cell " + per_dataset("epochs", str)[:-1]
+    budget.add_argument("--epochs", type=_COUNT, metavar="N", help="training epochs per cell " + per_dataset("epochs", str)[:-1]
                         + (f"; --quick on digits: {quick_epochs})" if quick_epochs else ")"))
     steps = shown.datasets.get(shown.default_dataset, {}).get("max_steps")
     quick_steps = shown.quick.get("max_steps", {}).get(shown.default_dataset)
-    budget.add_argument("--max-steps", type=int, metavar="N", help="optimizer steps per cell, instead of --epochs "
+    budget.add_argument("--max-steps", type=_COUNT, metavar="N", help="optimizer steps per cell, instead of --epochs "
                         + (f"(default: {steps}" + (f"; --quick: {quick_steps})" if quick_steps else ")") if steps
                            else "(default: unset)"))
-    b.add_argument("--warmup-frac", type=float, metavar="F", help="linear warm-up share of the steps; 0: the stress "
+    b.add_argument("--warmup-frac", type=_checked(float, lambda v: 0 <= v < 1, "in [0, 1)"), metavar="F", help="linear warm-up share of the steps; 0: the stress "
                    "hits the peak lr at once " + per_kind(lambda k: f"{k.warmup_frac:g}"))
     b.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="lr schedule after the warm-up, stepped per optimizer step (default: cosine)")
-    b.add_argument("--weight-decay", type=float, metavar="F",
+    b.add_argument("--weight-decay", type=_checked(float, lambda v: v >= 0, ">= 0"), metavar="F",
                    help="weight decay " + per_kind(lambda k: f"{k.weight_decay:g} ({k.optimizer})"))
-    b.add_argument("--log-every", type=int, default=10, metavar="N",
+    b.add_argument("--log-every", type=_COUNT, default=10, metavar="N",
                    help="log and capture the monitors' statistics every N steps (default: 10)")
-    b.add_argument("--val-every", type=int, metavar="N",
+    b.add_argument("--val-every", type=_COUNT, metavar="N",
                    help="validate every N steps, always also at the end (default: every epoch)")
     b.add_argument("--limit-val-batches", type=float, default=1.0, metavar="F",
                    help="fraction (<= 1) or number (> 1) of validation batches (default: 1.0, all)")
@@ -168,15 +184,15 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
                         + per_kind(lambda k: k.default_dataset))
     d.add_argument("--root", metavar="DIR", help="CIFAR-100 directory, downloaded there when missing; with --dataset "
                    "folder, the image folder (default: data)")
-    d.add_argument("--path", metavar="PATH", help="with --dataset text: the text file or folder (lm.py's --data.path; "
-                   "--root still works) (default: none; --dataset text requires it)")
-    d.add_argument("--seq-len", type=int, metavar="N", help="language-model sweeps: tokens per window "
+    d.add_argument("--path", metavar="PATH", help="with --dataset text: the text file or folder (lm.py's --data.path) "
+                   "(default: none; --dataset text requires it)")
+    d.add_argument("--seq-len", type=_COUNT, metavar="N", help="language-model sweeps: tokens per window "
                    + where_set("seq_len"))
     d.add_argument("--pretrained", metavar="DIR", help="--sweep convert: your own checkpoint (a save_pretrained "
                    "directory with its tokenizer) as the base model (default: none, the sweep trains and caches one)")
-    d.add_argument("--base-steps", type=int, metavar="N", help="--sweep convert: optimizer steps of the base model it "
+    d.add_argument("--base-steps", type=_COUNT, metavar="N", help="--sweep convert: optimizer steps of the base model it "
                    "trains once with its own RMSNorms and caches " + where_set("base_steps"))
-    d.add_argument("--image-size", type=int, metavar="N",
+    d.add_argument("--image-size", type=_COUNT, metavar="N",
                    help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="training augmentation " + per_dataset("augment", _flag))
@@ -196,7 +212,7 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
     r.add_argument("--precision", help="(default: 32-true on the CPU; bf16-mixed on GPUs with bf16, else 16-mixed)")
     r.add_argument("--mrs-backend", default="auto", metavar="NAME",
                    help="MRSNorm implementation; same maths (default: auto)")
-    r.add_argument("--jobs", type=int, metavar="N",
+    r.add_argument("--jobs", type=_COUNT, metavar="N",
                    help="cells at once on this machine, each in a Dask worker process with cpus/N threads or its own "
                         "GPU; 1: in this process (default: the usable CPU cores on the cpu accelerator, else 1)")
     r.add_argument("--num-workers", type=int, metavar="N",
@@ -209,10 +225,10 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
     where.add_argument("--slurm", action="store_true", help="start workers as SLURM jobs (dask-jobqueue's SLURMCluster), "
                    "one per GPU of a job; the repository and --out on a shared filesystem (default: off)")
     c.add_argument("--slurm-partition", metavar="NAME", help="the partition (default: the cluster's)")
-    c.add_argument("--slurm-gpus", type=int, metavar="N", help="GPUs per job (default: 0)")
-    c.add_argument("--slurm-cpus", type=int, metavar="N", help="CPUs per job (default: 4)")
+    c.add_argument("--slurm-gpus", type=_checked(int, lambda v: v >= 0, ">= 0"), metavar="N", help="GPUs per job (default: 0)")
+    c.add_argument("--slurm-cpus", type=_COUNT, metavar="N", help="CPUs per job (default: 4)")
     c.add_argument("--slurm-time", metavar="HH:MM:SS", help="wall time per job (default: 01:00:00)")
-    c.add_argument("--slurm-jobs", type=int, metavar="N", help="jobs (default: 1)")
+    c.add_argument("--slurm-jobs", type=_COUNT, metavar="N", help="jobs (default: 1)")
     c.add_argument("--slurm-option", action="append", metavar="KEY=VALUE",
                    help="any other SLURMCluster argument, repeatable; VALUE as JSON or text, e.g. account=proj, "
                         "memory=64GB (default: none; memory=16GB)")
@@ -236,13 +252,7 @@ def _cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"--jobs sets this machine's worker processes; with {'--slurm' if args.slurm else '--scheduler'} the "
                 "cluster's workers run the cells: drop --jobs")
     for key, value in _SLURM.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    for key in ("slurm_cpus", "slurm_jobs"):
-        if getattr(args, key) < 1:
-            p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
-    if args.slurm_gpus < 0:
-        p.error(f"--slurm-gpus must be >= 0, got {args.slurm_gpus}")
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     bad = next((item for item in args.slurm_option if "=" not in item), None)
     if bad is not None:
         p.error(f"--slurm-option {bad!r}: give KEY=VALUE, e.g. account=proj")
@@ -299,15 +309,12 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
     defaults = sweep.datasets[args.dataset]
     if args.path is not None and args.dataset != "text":
         p.error(f"--path is the text of --dataset text; --dataset {args.dataset} reads --root")
-    if args.dataset == "text":  # one name with lm.py (--data.path); --root was the sweep's name for it
-        if args.path is not None and args.root is not None:
-            p.error("--path and --root both name the text; give --path only")
+    if args.dataset == "text":  # one name with lm.py (--data.path)
         if args.root is not None:
-            print("note: --root for --dataset text is now --path (as lm.py's --data.path); --root still works",
-                  file=sys.stderr)
-        args.root = args.path if args.path is not None else args.root
-        if args.root is None:
+            p.error("--dataset text reads its text from --path (as lm.py's --data.path), not --root: give --path")
+        if args.path is None:
             p.error("--dataset text needs --path FILE_OR_DIR (your UTF-8 text files)")
+        args.root = args.path
     args.root = "data" if args.root is None else args.root
     base_steps_given = args.base_steps is not None
     for flag, key in (("--seq-len", "seq_len"), ("--base-steps", "base_steps")):
@@ -315,8 +322,6 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
         if given is not None and key not in defaults:
             p.error(f"{flag} is an option of " + " and ".join(f"--sweep {k.name}" for k in kinds.values()
                                                               if key in k.datasets.get(k.default_dataset, {})))
-        if given is not None and given < 1:
-            p.error(f"{flag} must be >= 1, got {given}")
         if given is None:
             setattr(args, key, defaults.get(key))
     if args.pretrained is not None:
@@ -350,24 +355,12 @@ def parse_args(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sw
             p.error(f"--epochs or --max-steps is required for --dataset {args.dataset}")
     if args.out is None:
         args.out = os.path.join("runs", f"{sweep.out_stem}_{args.dataset}" + ("_quick" if args.quick else ""))
-    for name in ("epochs", "max_steps", "log_every", "val_every", "image_size", "jobs"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if any(bs < 1 for bs in args.batch_sizes):
-        p.error(f"--batch-sizes must all be >= 1, got {_list(args.batch_sizes)}")
     if args.arch_kwargs is not None and not isinstance(args.arch_kwargs, dict):
         p.error(f"--arch-kwargs must be a JSON object such as '{{\"depth\": 4}}', got {json.dumps(args.arch_kwargs)}")
     size = (args.arch_kwargs or {}).get("img_size")
     if size is not None and size != args.image_size:  # a ViT takes one input size only
         p.error(f"--image-size {args.image_size} does not fit the model's img_size {size} (--arch-kwargs): "
                 "give both the same size")
-    if not 0.0 <= args.warmup_frac < 1.0:
-        p.error(f"--warmup-frac must lie in [0, 1), got {args.warmup_frac}")
-    if args.weight_decay < 0:
-        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
-    if any(not lr > 0 or not math.isfinite(lr) for lr in args.lrs):
-        p.error(f"--lrs must all be > 0, got {_list(args.lrs)}")
     _cluster_options(p, args)
     if args.jobs is None:
         args.jobs = usable_cpus() if args.accelerator == "cpu" else 1

@@ -1,14 +1,11 @@
 """The resumable grid of a stress sweep: which cells to run, where, and what is kept.
 
-``main``: parse the command line (:mod:`recipes.sweeps.cli`), skip the cells already in ``--out``
-(``cells/<cell>.json``), check every remaining cell's settings before the first one runs
-(:mod:`recipes.sweeps.cells.image_checks`; a mistake writes nothing), refuse an ``--out`` that holds other
-settings, open the cluster (:mod:`recipes.sweeps.cluster`: ``--jobs 1`` on this machine trains in this process),
-take the lock of ``--out`` (:mod:`recipes.sweeps.lock`), then hand the cells to the Dask client as tasks; this
-process alone writes each record, atomically, as it arrives (naming the worker that ran it), and the report
-(:mod:`recipes.sweeps.report`) after every cell. A cell whose worker dies runs again on another (the scheduler's
-own rescheduling); a finished cell is always kept, also when another fails or Ctrl-C stops the sweep (exit
-status 130).
+``main`` parses the command line (:mod:`recipes.sweeps.cli`), skips the cells already in ``--out``, checks every
+remaining cell's settings before the first runs (a mistake writes nothing), opens the cluster
+(:mod:`recipes.sweeps.cluster`; ``--jobs 1`` trains in this process) and locks ``--out``
+(:mod:`recipes.sweeps.lock`), then hands the cells to the Dask client. This process alone writes each record as it
+arrives, and the report (:mod:`recipes.sweeps.report`) after it. A cell whose worker dies runs again elsewhere (the
+scheduler's own rescheduling); a finished cell is kept whatever happens next (Ctrl-C: exit status 130).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 # Keep this import list light: a rerun with nothing left to train must not pay for torch/Lightning.
 from recipes.common.errors import UsageError, report
@@ -29,7 +26,7 @@ from recipes.sweeps import report as outputs
 from recipes.sweeps import settings as st
 from recipes.sweeps.cli import in_sweep_terms, parse_args, usable_cpus
 from recipes.sweeps.kind import Sweep
-from recipes.sweeps.lock import OutLock
+from recipes.sweeps.lock import out_lock
 from recipes.sweeps.records import load_records, write_atomic
 
 __all__ = ["machine", "main", "run"]
@@ -82,54 +79,40 @@ def _work(args: argparse.Namespace, out: Path, cell: Cell, threads: Optional[int
     record["wall_s"] = round(time.monotonic() - start, 2)
     record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
     record.update(machine(args.accelerator))  # the kernels round differently per CPU: a result says where it ran
+    try:
+        from distributed import get_worker
+
+        record["worker"] = get_worker().address
+    except (ImportError, ValueError):  # not on a Dask worker
+        record["worker"] = "this process"
     return record
 
 
 def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any) -> Iterator[dict[str, Any]]:
-    """The records of ``todo`` as they finish: in this process (``cluster`` None), or as tasks of the Dask client.
-
-    When a cell fails, no new cell starts, the cells already running finish and are yielded, then the
-    first error is raised.
+    """The records of ``todo`` as they finish, in this process (``cluster`` None) or as tasks of the Dask client.
+    When a cell fails, no new cell starts; the cells already running finish and are yielded; then the error is raised.
     """
     if cluster is None:
-        for cell in todo:
-            yield {**_work(args, out, cell), "worker": "this process"}
+        yield from (_work(args, out, cell) for cell in todo)
         return
     from distributed import as_completed
 
     client, token = cluster.client, uuid.uuid4().hex[:8]  # task keys: <cell>@<this sweep>, unique on a shared cluster
-    futures = [client.submit(_work, args, out, cell, cluster.threads, cluster.gpu,
-                             key=f"{args.sweep.cell_name(*cell)}@{token}", resources={"GPU": 1} if cluster.gpu else None)
-               for cell in todo]
+    futures = [client.submit(_work, args, out, cell, cluster.threads, cluster.gpu, key=f"{args.sweep.cell_name(*cell)}@"
+                             f"{token}", resources={"GPU": 1} if cluster.gpu else None) for cell in todo]
     failure: Optional[BaseException] = None
     try:
-        for future in (pending := as_completed(futures)):
-            if future.status == "finished":  # the worker that ran it holds its result
-                yield {**future.result(), "worker": next(iter(client.who_has([future])[future.key]), "")}
+        for future in as_completed(futures):
+            if future.status == "finished":
+                yield future.result()
             elif future.status == "error" and failure is None:
                 failure = future.exception()
                 running = {key for keys in client.processing().values() for key in keys}
-                client.cancel([f for f in futures if f.key not in running and not f.done()])
-                pending.clear()
-                pending.update(f for f in futures if f.key in running and not f.done())
+                client.cancel([f for f in futures if f.key not in running])
         if failure is not None:
             raise failure
     finally:
         client.cancel(futures)  # Ctrl-C, a failure or the consumer stopped: nothing of this sweep keeps running
-
-
-def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency; degrade to plain lines if it is missing
-        return (lambda line: print(line, flush=True)), (lambda: None)
-    bar = tqdm(total=total, desc="cells", unit="cell", dynamic_ncols=True)
-
-    def line(text: str) -> None:
-        bar.write(text)
-        bar.update(1)
-
-    return line, bar.close
 
 
 def _line(record: dict[str, Any], kind: Sweep) -> str:
@@ -144,20 +127,21 @@ def _line(record: dict[str, Any], kind: Sweep) -> str:
 def _train(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any, command: str,
            settings: dict[str, Any]) -> None:
     """Write each cell's record as it arrives, and the report after it."""
-    line, close = _progress(len(todo))
+    from tqdm.auto import tqdm
+
     last_figure = time.monotonic()
-    try:
-        target = out.resolve() if cluster is not None else out  # a worker elsewhere: the same shared folder
-        for i, record in enumerate(_records(args, target, todo, cluster), 1):
-            record["command"] = command
-            write_atomic(out / "cells" / f"{record['cell']}.json", json.dumps(record) + "\n")
-            figure = time.monotonic() - last_figure > _FIGURE_EVERY_S
-            outputs.write_outputs(out, args.sweep, settings, command, figure=figure)  # current after every cell
-            last_figure = time.monotonic() if figure else last_figure
-            line(f"[{i}/{len(todo)}] " + _line(record, args.sweep))
-    finally:
-        close()
-        outputs.write_outputs(out, args.sweep, settings, command, figure=False)
+    with tqdm(total=len(todo), desc="cells", unit="cell", dynamic_ncols=True) as bar:
+        try:
+            for i, record in enumerate(_records(args, out.resolve() if cluster else out, todo, cluster), 1):
+                record["command"] = command
+                write_atomic(out / "cells" / f"{record['cell']}.json", json.dumps(record) + "\n")
+                figure = time.monotonic() - last_figure > _FIGURE_EVERY_S
+                outputs.write_outputs(out, args.sweep, settings, command, figure=figure)  # current after every cell
+                last_figure = time.monotonic() if figure else last_figure
+                bar.write(f"[{i}/{len(todo)}] " + _line(record, args.sweep))
+                bar.update(1)
+        finally:
+            outputs.write_outputs(out, args.sweep, settings, command, figure=False)
 
 
 def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] = None) -> int:
@@ -185,7 +169,7 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
     command = " ".join(["python", "recipes/stress.py", *(argv if argv is not None else sys.argv[1:])])
     jobs = min(args.jobs, max(1, len(todo)))
     cluster = None
-    if todo and (jobs > 1 or args.scheduler or args.slurm):
+    if todo and (jobs > 1 or args.scheduler or args.slurm):  # else this process trains
         from recipes.sweeps.cluster import connect
 
         cluster = connect(args, jobs, usable_cpus())  # a scheduler that does not answer: nothing written yet
@@ -194,17 +178,14 @@ def main(argv: Optional[list[str]] = None, kinds: Optional[Mapping[str, Sweep]] 
                 setattr(args, name, str(Path(getattr(args, name)).resolve()))
     try:
         out.mkdir(parents=True, exist_ok=True)  # nothing is written before every check passed
-        with OutLock(out) as lock:
-            for who in lock.stale:
-                print(f"note: a stale lock on {out} ({who}, no longer running) was taken over", flush=True)
+        with out_lock(out):
             (out / "cells").mkdir(exist_ok=True)
             if old is None:
                 write_atomic(out / st.SETTINGS_FILE, json.dumps(settings, indent=2) + "\n")
             if data is not None:
                 write_atomic(out / outputs.DATA_FILE, json.dumps(data, indent=2) + "\n")
-            where = cluster.where if cluster else "in this process"
             print(f"stress sweep: {len(grid)} cells in the grid, {len(grid) - len(todo)} already done, {len(todo)} to "
-                  f"run ({where}) -> {out}", flush=True)
+                  f"run ({cluster.where if cluster else 'in this process'}) -> {out}", flush=True)
             if todo:
                 _train(args, out, todo, cluster, command, settings)
             outputs.write_outputs(out, kind, settings, command)

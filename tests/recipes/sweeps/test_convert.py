@@ -200,7 +200,7 @@ def test_the_setup_of_a_pretrained_sweep_gives_the_checkpoints_sizes(tmp_path: P
     (["--dataset", "text"], "--dataset text needs --path FILE_OR_DIR"),
     (["--pretrained", "x/", "--base-steps", "5"], "--base-steps trains the sweep's own base model; with --pretrained"),
     (["--pretrained", "x/", "--arch-kwargs", "{}"], "--arch-kwargs conflicts with --pretrained 'x/'"),
-    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
 ])
 def test_convert_mistakes_are_one_line(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture,
                                        error_line: Callable[[int, str], str]) -> None:

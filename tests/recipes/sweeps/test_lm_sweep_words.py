@@ -36,19 +36,15 @@ def test_lm_sweep_mistakes_name_the_sweeps_options(tmp_path: Path, argv: list[st
     assert not out.exists()  # nothing written: the corrected command starts clean
 
 
-def test_the_text_is_path_as_in_lm_py_and_root_still_works_with_a_note(tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture) -> None:
+def test_the_text_is_path_as_in_lm_py(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from recipes.stress import parse_args
 
     text = tmp_path / "corpus.txt"
     text.write_text("hello\n")
     args = parse_args(["--sweep", "lm", "--dataset", "text", "--path", str(text)])
     assert args.root == str(text) and capsys.readouterr().err == ""
-    args = parse_args(["--sweep", "lm", "--dataset", "text", "--root", str(text)])  # the older name
-    assert args.root == str(text)
-    assert capsys.readouterr().err == ("note: --root for --dataset text is now --path (as lm.py's --data.path); "
-                                       "--root still works\n")
-    for argv, message in ((["--dataset", "text", "--path", "a", "--root", "b"], "--path and --root both name the text"),
+    for argv, message in ((["--dataset", "text", "--root", str(text)], "--dataset text reads its text from --path"),
+                          (["--dataset", "text"], "--dataset text needs --path FILE_OR_DIR"),
                           (["--dataset", "stdlib", "--path", "a"], "--path is the text of --dataset text")):
         with pytest.raises(SystemExit):
             parse_args(["--sweep", "lm", *argv])

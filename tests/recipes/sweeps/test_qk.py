@@ -147,8 +147,8 @@ def test_qk_defaults_and_help(capsys: pytest.CaptureFixture) -> None:
     (["--sweep", "qk", "--norms", "mrs"], "--norms is an option of --sweep norm; --sweep qk varies --qk-norms"),
     (["--qk-norms", "mrs"], "--qk-norms is an option of --sweep qk"),
     (["--sweep", "qk", "--qk-norms", "l2"], "--qk-norms: invalid choice: 'l2'"),
-    (["--sweep", "qk", "--lrs", "0"], "--lrs must all be > 0"),
-    (["--sweep", "qk", "--warmup-frac", "1"], "--warmup-frac must lie in [0, 1)"),
+    (["--sweep", "qk", "--lrs", "0"], "argument --lrs: must be > 0, got 0"),
+    (["--sweep", "qk", "--warmup-frac", "1"], "argument --warmup-frac: must be in [0, 1), got 1"),
     (["--sweep", "qk", "--image-size", "16", "--arch-kwargs", '{"img_size": 8}'],
      "--image-size 16 does not fit the model's img_size 8"),
 ])
