@@ -26,9 +26,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from recipes.sweeps.cells.residual_trace import kept_steps
 from recipes.sweeps.claims.lm import EXTRA_NORMS, SAFE_HALF, SCALE_CONTROLS, split_arm
 from recipes.sweeps.claims.mechanism import FP16_MAX
 from recipes.sweeps.records import write_atomic
+from recipes.sweeps.report import read_table
 
 __all__ = ["COLUMNS", "GROWTH_COLUMNS", "collect", "main", "newcombe", "render", "verdict", "wilson"]
 
@@ -89,8 +91,7 @@ def collect(runs: Sequence[Path]) -> tuple[list[dict[str, Any]], list[dict[str, 
                           "first_nonfinite_point": bad[0]["point"] if bad else "",
                           "peak_absmax": max(finite, default=""), "cpu_s": r["cpu_s"], "cpu_model": r["cpu_model"],
                           "cpu_isa": r["cpu_isa"]})
-            steps = sorted({g["step"] for g in trace})
-            keep = {s for s in steps if s % 20 == 0} | set(steps[-3:]) | ({bad[0]["step"]} if bad else set())
+            keep = kept_steps({g["step"] for g in trace}, 20, bad[0]["step"] if bad else None)
             growth += [{"size": size, "arm": r["arm"], "lr": r["lr"], "seed": r["seed"], "step": g["step"],
                         "point": g["point"], "absmax": g["absmax"]} for g in trace
                        if g["step"] in keep and r["threads"] == PRIMARY["threads"]]
@@ -109,15 +110,7 @@ def _csv(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
     return out.getvalue()
 
 
-def _read(path: Path, numeric: Sequence[str]) -> list[dict[str, Any]]:
-    rows = list(csv.DictReader(path.open()))
-    for row in rows:
-        for c in numeric:
-            row[c] = float(row[c]) if row.get(c) not in (None, "") else None
-    return rows
-
-
-def _group(cells: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:
+def _group(cells: list[dict[str, Any]], **where: Any) -> list[dict[str, Any]]:  # threads: the CSV's 1.0 == 1
     return [c for c in cells if all(c[k] == v for k, v in where.items())]
 
 
@@ -167,8 +160,7 @@ def table(cells: list[dict[str, Any]]) -> list[str]:
              "|:---|:---|---:|---:|:---|:---|:---|:---|---:|---:|"]
     keys = list(dict.fromkeys((c["size"], c["precision"], int(c["threads"]), c["lr"], c["norm"]) for c in cells))
     for size, precision, threads, lr, norm in keys:
-        mine = _group(cells, size=size, precision=precision, lr=lr, norm=norm)
-        mine = [c for c in mine if int(c["threads"]) == threads]
+        mine = _group(cells, size=size, precision=precision, threads=threads, lr=lr, norm=norm)
         k, n = sum(int(c["diverged"]) for c in mine), len(mine)
         lo, hi = wilson(k, n)
         steps = sorted(int(c["divergence_step"]) for c in mine if c["divergence_step"] is not None)
@@ -204,7 +196,7 @@ def render(cells: list[dict[str, Any]], stem: Path, command: str) -> str:
     subsets.append(("pure bf16 (bf16-master)", {**PRIMARY, "precision": "bf16-master"}))
     subsets.append(("2 threads per run", {**PRIMARY, "threads": 2}))
     for name, where in subsets:
-        mine = [c for c in cells if all(c[k] == v if k != "threads" else int(c[k]) == v for k, v in where.items())]
+        mine = _group(cells, **where)
         if not mine:
             continue
         got, lines = verdict(mine, {})
@@ -274,12 +266,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                              ".png")
     args = p.parse_args(argv)
     stem = args.stem
+    cells_csv, growth_csv = stem.with_suffix(".csv"), stem.parent / f"{stem.name}_growth.csv"
     if args.runs:
         cells, growth = collect(args.runs)
-        write_atomic(stem.with_suffix(".csv"), _csv(cells, COLUMNS))
-        write_atomic(stem.parent / f"{stem.name}_growth.csv", _csv(growth, GROWTH_COLUMNS))
-    cells = _read(stem.with_suffix(".csv"), ("lr", "threads", "divergence_step", "final_bpb", "peak_absmax", "seed"))
-    growth = _read(stem.parent / f"{stem.name}_growth.csv", ("lr", "seed", "step", "absmax"))
+        write_atomic(cells_csv, _csv(cells, COLUMNS))
+        write_atomic(growth_csv, _csv(growth, GROWTH_COLUMNS))
+    if missing := [str(f) for f in (cells_csv, growth_csv) if not f.exists()]:  # read_table would read no rows
+        p.error(f"--stem: {', '.join(missing)} not found; collect the cells into it with --runs first")
+    cells = read_table(cells_csv, ("lr", "threads", "divergence_step", "final_bpb", "peak_absmax", "seed"))
+    growth = read_table(growth_csv, ("lr", "seed", "step", "absmax"))
     command = f"python -m recipes.sweeps.p1t --stem {stem.as_posix()}"
     write_atomic(stem.with_suffix(".md"), render(cells, stem, command))
     figure(growth, cells, stem.with_suffix(".png"))

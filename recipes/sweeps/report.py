@@ -170,13 +170,13 @@ def table_csv(table: Table, records: Sequence[dict[str, Any]]) -> str:
     return csv_table(table.columns, ([row.get(c) for c in table.columns] for row in rows))
 
 
-def read_table(table: Table, path: Path) -> list[dict[str, Any]]:
-    """A table's rows read back from its CSV (``numeric`` columns as floats, NaN kept; empty: ``None``)."""
+def read_table(path: Path, numeric: Sequence[str]) -> list[dict[str, Any]]:
+    """A table's rows read back from its CSV (``numeric`` columns as floats, NaN kept; empty: ``None``; no file: [])."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    return [{k: (float(v) if v not in ("", None) else None) if k in table.numeric else v for k, v in row.items()}
+    return [{k: (float(v) if v not in ("", None) else None) if k in numeric else v for k, v in row.items()}
             for row in rows]
 
 
@@ -237,7 +237,7 @@ def render(out: Path, kind: Sweep, settings: dict[str, Any], commands: list[str]
     ``setup``: the data lines of the Setup section (default: from ``data.json``). Returns the rows.
     """
     rows = kind.read(out / "results.csv")  # the report rests on the CSV alone
-    tables = {t.name: read_table(t, out / f"{t.name}.csv") for t in kind.tables}
+    tables = {t.name: read_table(out / f"{t.name}.csv", t.numeric) for t in kind.tables}
     summaries = rb.robustness(rows, kind.score)
     write_atomic(out / "robustness.csv", rb.robustness_csv(summaries, kind.arm_column, kind.score))
     write_atomic(out / "results.md", _markdown(out, rows, kind, settings, commands, summaries, tables, setup))

@@ -8,9 +8,10 @@ training step's forward it records ``max |x|`` at each point, in forward order, 
 in which a point is non-finite (that step included): :attr:`first_nonfinite` is that step and the
 first point in forward order that was non-finite, the layer that overflowed first (the embedding's
 output, ``L0.attn``, non-finite means the weights were already NaN: the failure came from a backward
-or an optimizer step, not from the forward's growth). Imported only where a cell trains.
+or an optimizer step, not from the forward's growth). Imports torch only when a cell traces.
 
 Example:
+    >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=2,
     ...                                      num_attention_heads=2, intermediate_size=16))
@@ -26,18 +27,24 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-import torch
-from torch import Tensor, nn
+if TYPE_CHECKING:  # no torch at import: recipes.sweeps.p1t thins its trace with kept_steps
+    from torch import Tensor, nn
 
-__all__ = ["ResidualTrace", "trace_callback"]
+__all__ = ["ResidualTrace", "kept_steps", "trace_callback"]
 
 #: a decoder layer's norm -> the point of the residual stream its input is
 _POINTS = {"input_layernorm": "attn", "post_attention_layernorm": "mlp", "ln_1": "attn", "ln_2": "mlp"}
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(\w+)$")
 #: the final norm's and the head's names (Llama-like, GPT-2-like)
 _FINAL, _HEAD = ("norm", "ln_f"), ("lm_head",)
+
+
+def kept_steps(steps: Iterable[int], every: int, first_nonfinite: Optional[int], last: int = 3) -> set[int]:
+    """Every ``every``-th, the ``last`` and the first non-finite of ``steps`` (the rise to the overflow kept whole)."""
+    steps = sorted(steps)
+    return {s for s in steps if s % every == 0} | set(steps[-last:]) | ({first_nonfinite} - {None})
 
 
 class ResidualTrace:
@@ -82,6 +89,7 @@ class ResidualTrace:
         return "logits" if last in _HEAD else None
 
     def _record(self, point: str, x: Tensor) -> None:
+        import torch
         if not torch.is_grad_enabled() or self.first_nonfinite is not None and self.step > self.first_nonfinite[0]:
             return  # validation, or after the first non-finite step
         values = self.steps.setdefault(self.step, {})
@@ -103,12 +111,8 @@ class ResidualTrace:
         return hook
 
     def rows(self, every: int = 10, last: int = 3) -> list[dict[str, Any]]:
-        """Tidy rows ``{"step", "point", "absmax"}``: every ``every``-th step, the ``last`` steps recorded and the
-        first non-finite one (the rise to the overflow at full resolution, the rest thinned)."""
-        steps = sorted(self.steps)
-        kept = {s for s in steps if s % every == 0} | set(steps[-last:])
-        if self.first_nonfinite is not None:
-            kept.add(self.first_nonfinite[0])
+        """Tidy rows ``{"step", "point", "absmax"}`` of the steps :func:`kept_steps` keeps."""
+        kept = kept_steps(self.steps, every, self.first_nonfinite and self.first_nonfinite[0], last)
         return [{"step": s, "point": p, "absmax": self.steps[s][p]} for s in sorted(kept)
                 for p in self.points if p in self.steps[s]]
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.sweeps.p1t import MRS, MRS_AS_RMS, RMS, RMS_AS_MRS, _read, newcombe, render, verdict, wilson
+from recipes.sweeps.p1t import MRS, MRS_AS_RMS, RMS, RMS_AS_MRS, newcombe, render, verdict, wilson
+from recipes.sweeps.report import read_table
 
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 STEM = DOCS / "stress_lm_p1t_stdlib"
@@ -40,6 +41,6 @@ def test_the_rule_picks_the_first_case_that_applies(counts: dict, expected: str)
 
 @pytest.mark.skipif(not STEM.with_suffix(".csv").exists(), reason="the P1t report is not committed")
 def test_committed_report_rebuilds_identically_from_its_csv() -> None:
-    cells = _read(STEM.with_suffix(".csv"), ("lr", "threads", "divergence_step", "final_bpb", "peak_absmax", "seed"))
+    cells = read_table(STEM.with_suffix(".csv"), ("lr", "threads", "divergence_step", "final_bpb", "peak_absmax", "seed"))
     command = "python -m recipes.sweeps.p1t --stem docs/stress_lm_p1t_stdlib"
     assert render(cells, Path("docs/stress_lm_p1t_stdlib"), command) == STEM.with_suffix(".md").read_text()
