@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mrs.swap.attention_info import is_qk_name
-from lightning_mrs.swap.hf_format import PREFIX, RECORD_KEY, recorded_layers, rooted, swapped_class
+from lightning_mrs.swap.hf_format import PREFIX, RECORD_KEY, family_config, plain_config, recorded_layers, rooted, swapped_class
 from lightning_mrs.swap.registry import norm_spec
 
 __all__ = ["from_pretrained"]
@@ -98,19 +98,17 @@ def _read_config(transformers: Any, source: Any, config: Any, kwargs: dict[str, 
     """The saved config's record, its family's config class and ``architectures``, read only to find the
     class (transformers reads the config itself)."""
     if isinstance(config, transformers.PretrainedConfig):
-        plain = getattr(type(config), "_lightning_mrs_config_base", type(config))
-        return getattr(config, RECORD_KEY, None), plain, getattr(config, "architectures", None)
+        return getattr(config, RECORD_KEY, None), type(plain_config(config)), getattr(config, "architectures", None)
     where = config if config is not None else source
     if where is None:
         raise ValueError("lightning_mrs.from_pretrained(None): give a directory, or config= (and state_dict=)")
     try:
         hub = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         saved, _ = transformers.PretrainedConfig.get_config_dict(where, **hub)
-        record, model_type = saved.get(RECORD_KEY), str(saved.get("model_type", ""))
-        if record is not None:
-            model_type = model_type.removeprefix("lightning_mrs_")
-        if model_type in transformers.CONFIG_MAPPING:
-            return record, transformers.CONFIG_MAPPING[model_type], saved.get("architectures")
+        record = saved.get(RECORD_KEY)
+        model_type, family = family_config(saved.get("model_type", ""), swapped=record is not None)
+        if family is not None:
+            return record, family, saved.get("architectures")
         if record is not None:
             raise ValueError(f"{_name(where)}: config.json's model_type {model_type!r} is not a transformers family")
         config = transformers.AutoConfig.from_pretrained(where, **hub)  # a model of remote code, not swapped

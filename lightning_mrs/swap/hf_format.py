@@ -50,13 +50,14 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.spec import rebuild
 from lightning_mrs.version import __version__
 
-__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "live_layers", "plain_config",
+__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "family_config", "live_layers", "plain_config",
            "recorded_layers", "rooted", "saved_config", "swapped_class", "transformers_class"]
 
 RECORD_KEY = "lightning_mrs"
 #: the record format this release writes and reads (1: lightning-mrs 0.2.0's guarded config, no longer read)
 FORMAT = 2
 PREFIX = "LightningMRS"
+TYPE_PREFIX = "lightning_mrs_"  # a LightningMRS<BaseConfig>'s model_type: lightning_mrs_<family>
 #: the module ``save_pretrained`` copies beside the weights (the swapped classes' ``__module__``)
 CODE = "lightning_mrs.swap.modeling_lightning_mrs"
 _CLASSES: dict[type, type] = {}
@@ -141,10 +142,9 @@ def family_base(cls: type) -> Optional[type]:
 def family_autos(config_cls: type) -> dict[str, type]:
     """Every Auto class (``AutoModel``, ``AutoModelForCausalLM``...) that builds a model for
     ``config_cls``, and the transformers class it builds."""
-    transformers = _transformers()
-    found = {}
-    for name in sorted(dir(transformers)):
-        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None) if name.startswith("AutoModel") else None
+    transformers, found = _transformers(), {}
+    for name in sorted(n for n in dir(transformers) if n.startswith("AutoModel")):
+        mapping = getattr(getattr(transformers, name, None), "_model_mapping", None)
         try:
             cls = mapping[config_cls] if mapping is not None and config_cls in mapping else None
         except (KeyError, ImportError, AttributeError):  # a model whose optional dependency is missing
@@ -169,7 +169,7 @@ def config_class(base: type) -> type:
         if cls is None:
             name = PREFIX + base.__name__
             importlib.import_module(CODE)  # in sys.modules: transformers' custom_object_save copies its file
-            cls = type(name, (base,), {"model_type": f"lightning_mrs_{base.model_type}", "__module__": CODE,
+            cls = type(name, (base,), {"model_type": TYPE_PREFIX + base.model_type, "__module__": CODE,
                                        "__qualname__": name, "_lightning_mrs_config_base": base,
                                        "from_dict": classmethod(_config_from_dict),
                                        "__doc__": f"``{base.__name__}`` of a model whose norms lightning-mrs swapped."})
@@ -178,14 +178,18 @@ def config_class(base: type) -> type:
     return cls
 
 
+def family_config(model_type: Any, swapped: bool = True) -> tuple[str, Optional[type]]:
+    """``model_type``'s family (``lightning_mrs_<family>``'s if ``swapped``) and its config class, else ``None``."""
+    families, family = _transformers().CONFIG_MAPPING, str(model_type).removeprefix(TYPE_PREFIX if swapped else "")
+    return family, families[family] if family in families else None  # a lazy mapping: its get() finds nothing
+
+
 def _config_from_dict(cls: type, config_dict: dict[str, Any], **kwargs: Any) -> Any:
     """The config of the family ``config_dict`` names, as ``AutoConfig`` reads it: a family whose model
     class is another's (``exaone``: ``LlamaForCausalLM``) keeps its own config class, whose ``model_type``
     finds its checkpoint conversion."""
-    families, model_type = _transformers().CONFIG_MAPPING, str(config_dict.get("model_type", "")).removeprefix("lightning_mrs_")
-    family = families[model_type] if model_type in families else None  # a lazy mapping: its get() finds nothing
-    if isinstance(family, type) and family is not cls._lightning_mrs_config_base:
-        cls = config_class(family)
+    family = family_config(config_dict.get("model_type", ""))[1]
+    cls = cls if family in (None, cls._lightning_mrs_config_base) else config_class(family)
     return super(cls, cls).from_dict.__func__(cls, config_dict, **kwargs)
 
 
@@ -320,12 +324,9 @@ def saved_config(model: nn.Module) -> Any:
 
 def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
     """``save_pretrained`` of the class this one extends, with :func:`saved_config` as the config."""
-    own, shared = _own(type(self)), self.config
-    saving = saved_config(self)
-    swapped = RECORD_KEY in vars(saving)
-    cls = type(self)
-    self.config = saving
-    if not swapped:  # no layer swapped (any more): the family's own format, no code
+    cls, own, shared = type(self), _own(type(self)), self.config
+    self.config = saved_config(self)
+    if RECORD_KEY not in vars(self.config):  # no layer swapped (any more): the family's own format, no code
         self.__class__ = own
     try:
         return own.save_pretrained(self, save_directory, *args, **kwargs)
