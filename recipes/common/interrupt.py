@@ -36,6 +36,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -145,18 +146,17 @@ class SaveOnInterrupt(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._stepping = False
-        self._remember_position(trainer)
         if trainer.global_step == self._step_at_batch_start:
             self._pending += 1
-            return  # inside a gradient accumulation: the step boundary comes later
+            return  # inside a gradient accumulation: the step boundary comes later (no position to keep before it)
         self._pending = 0
-        sigint, sigterm = self.requested, self.sigterm or bool(trainer.received_sigterm)
-        if trainer.world_size > 1:  # every process stops after the same step
-            sigint = trainer.strategy.reduce_boolean_decision(sigint, all=False)
-            sigterm = trainer.strategy.reduce_boolean_decision(sigterm, all=False)
-        if (sigint or sigterm) and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
+        self._remember_position(trainer)
+        stop = 2 if self.requested else int(self.sigterm or bool(trainer.received_sigterm))  # Ctrl-C, SIGTERM, none
+        if trainer.world_size > 1:  # every process stops after the same step, for the same reason: one collective
+            stop = int(trainer.strategy.reduce(torch.tensor(stop, device=trainer.strategy.root_device), reduce_op="max"))
+        if stop and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
             # raised once this step's own logging is done, before anything of the next step trains
-            self._stop = KeyboardInterrupt() if sigint else SIGTERMException()
+            self._stop = KeyboardInterrupt() if stop == 2 else SIGTERMException()
 
     def _stop_now(self) -> None:
         if self._stop is not None:
