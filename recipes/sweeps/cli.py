@@ -252,7 +252,8 @@ def _cluster_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         p.error(f"--jobs sets this machine's worker processes; with {'--slurm' if args.slurm else '--scheduler'} the "
                 "cluster's workers run the cells: drop --jobs")
     for key, value in _SLURM.items():
-        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     bad = next((item for item in args.slurm_option if "=" not in item), None)
     if bad is not None:
         p.error(f"--slurm-option {bad!r}: give KEY=VALUE, e.g. account=proj")

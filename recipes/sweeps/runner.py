@@ -79,13 +79,14 @@ def _work(args: argparse.Namespace, out: Path, cell: Cell, threads: Optional[int
     record["wall_s"] = round(time.monotonic() - start, 2)
     record["cpu_s"] = round(time.process_time() - cpu, 2)  # this process's CPU time, all its threads
     record.update(machine(args.accelerator))  # the kernels round differently per CPU: a result says where it ran
-    try:
-        from distributed import get_worker
-
-        record["worker"] = get_worker().address
-    except (ImportError, ValueError):  # not on a Dask worker
-        record["worker"] = "this process"
     return record
+
+
+def _on_worker(args: argparse.Namespace, out: Path, cell: Cell, threads: Optional[int], gpu: bool) -> dict[str, Any]:
+    """:func:`_work` as a Dask task: its record names the worker that ran it."""
+    from distributed import get_worker
+
+    return {**_work(args, out, cell, threads, gpu), "worker": get_worker().address}
 
 
 def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any) -> Iterator[dict[str, Any]]:
@@ -93,12 +94,12 @@ def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any
     When a cell fails, no new cell starts; the cells already running finish and are yielded; then the error is raised.
     """
     if cluster is None:
-        yield from (_work(args, out, cell) for cell in todo)
+        yield from ({**_work(args, out, cell), "worker": "this process"} for cell in todo)
         return
     from distributed import as_completed
 
     client, token = cluster.client, uuid.uuid4().hex[:8]  # task keys: <cell>@<this sweep>, unique on a shared cluster
-    futures = [client.submit(_work, args, out, cell, cluster.threads, cluster.gpu, key=f"{args.sweep.cell_name(*cell)}@"
+    futures = [client.submit(_on_worker, args, out, cell, cluster.threads, cluster.gpu, key=f"{args.sweep.cell_name(*cell)}@"
                              f"{token}", resources={"GPU": 1} if cluster.gpu else None) for cell in todo]
     failure: Optional[BaseException] = None
     try:
