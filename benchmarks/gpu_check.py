@@ -279,12 +279,12 @@ def _worker(args: argparse.Namespace, indices: list[int], timeout: float) -> tup
     return _run_command(cmd, timeout, live=True)
 
 
-def run_checks(args: argparse.Namespace, every: list[Check], indices: list[int], missing: dict[str, str],
-               gpus: int, deadline: float) -> None:
+def run_checks(args: argparse.Namespace, ctx: Context, every: list[Check], indices: list[int],
+               missing: dict[str, str], deadline: float) -> None:
     """Run ``indices`` in order before ``deadline`` (``perf_counter``): a SKIP row for a check
     whose need is missing or that no longer fits; the in-process checks in workers (a fresh one
     after a crash: a FAIL row for the check it stopped), the commands here."""
-    out, slack = Path(args.out), 1.0 if args.device.startswith("cuda") else CPU_SLACK
+    out, gpus, slack = ctx.out, ctx.gpus, 1.0 if ctx.device.startswith("cuda") else CPU_SLACK
     pending = list(indices)
     while pending:
         i, check = pending[0], every[pending[0]]
@@ -299,7 +299,7 @@ def run_checks(args: argparse.Namespace, every: list[Check], indices: list[int],
             continue
         if check.command is not None:
             t0 = time.perf_counter()
-            status, result, figures = check.run(Context(args.device, gpus, 1, out))
+            status, result, figures = check.run(ctx)
             report(out, i, check, status, time.perf_counter() - t0, result, figures)
             pending.pop(0)
             continue
@@ -366,6 +366,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cuda = args.device.startswith("cuda")
     gpus = max(torch.cuda.device_count(), 1) if cuda and torch.cuda.is_available() else 1
     ctx = Context(args.device, gpus, 1 if cuda else 64, Path(args.out))
+    out = ctx.out
     if args.worker:
         return run_worker(ctx, [int(i) for i in args.indices.split(",") if i])
     missing = {} if args.dry_run else preflight(args.device)  # first, before lightning_mrs is imported
@@ -390,13 +391,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"extended: {len(extended)} checks, ~{estimate([every[i] for i in extended], gpus):.0f} s "
                   f"estimated on {gpus} GPU(s), as far as --budget {args.budget:.0f} s allows")
         return 0
-    out = Path(args.out)
     title = f"gpu_check on {_machine(args.device)}; {_versions()}"
     results.start(out, {"title": title, "missing": list(missing.values()), "core_estimate_s": round(core_estimate)})
     print(f"{title}\ncore: {len(core)} checks, ~{core_estimate:.0f} s estimated; results in {out}", flush=True)
     started = time.perf_counter()
     deadline = started + args.budget
-    run_checks(args, every, core, missing, gpus, deadline)
+    run_checks(args, ctx, every, core, missing, deadline)
     measured = time.perf_counter() - started
     core_failed = sum(r["status"] == "FAIL" for r in results.load(out)["rows"])
     print(f"core: ~{core_estimate:.0f} s estimated, {measured:.0f} s measured, {core_failed} FAIL", flush=True)
@@ -406,11 +406,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 else f"{len(extended)} checks within the budget ({args.budget:.0f} s for the run)")
         print(f"extended: {fate}", flush=True)
         if not core_failed:
-            run_checks(args, every, extended, missing, gpus, deadline)
+            run_checks(args, ctx, every, extended, missing, deadline)
         results.update(out, extended=fate, total=f"{time.perf_counter() - started:.0f} s measured")
-    for claim, met, shown in results.bar(results.load(out)["rows"]):
-        print(f"bar: {claim}: {results.met_text(met)} ({shown})")
     rows = results.load(out)["rows"]
+    for claim, met, shown in results.bar(rows):
+        print(f"bar: {claim}: {results.met_text(met)} ({shown})")
     print(f"{len(rows)} rows: " + ", ".join(f"{sum(r['status'] == s for r in rows)} {s}"
                                            for s in ("PASS", "FAIL", "SKIP", "INFO")))
     print(f"results: {out / 'results.md'} (table) and {out / 'results.json'} (every figure)")

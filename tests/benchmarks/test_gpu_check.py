@@ -111,7 +111,7 @@ def test_what_is_missing_is_one_line_each_and_its_checks_are_skip_rows(tmp_path:
                                                           "recipes/lm.py bf16-mixed, 1 step")]
     monkeypatch.setattr(gpu_check, "_run_command", lambda *a, **k: pytest.fail("ran a check it cannot run"))
     args = gpu_check._parser().parse_args(["--out", str(out)])
-    gpu_check.run_checks(args, every, pick, missing, 1, time.perf_counter() + 100)
+    gpu_check.run_checks(args, gpu_check.Context(args.device, 1, 1, out), every, pick, missing, time.perf_counter() + 100)
     rows = results.load(out)["rows"]
     assert [r["status"] for r in rows] == ["SKIP"] * 4
     assert [r["result"] for r in rows] == [missing["triton"], missing["bf16"], missing["triton"], missing["bf16"]]
@@ -282,7 +282,7 @@ def test_a_worker_stopped_or_killed_leaves_a_fail_row(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(gpu_check, "_run_command", fake)
     args = gpu_check._parser().parse_args(["--device", "cpu", "--out", str(out)])
-    gpu_check.run_checks(args, every, [0, 1, 2], {}, 1, time.perf_counter() + 100)
+    gpu_check.run_checks(args, gpu_check.Context(args.device, 1, 1, out), every, [0, 1, 2], {}, time.perf_counter() + 100)
     rows = results.load(out)["rows"]
     assert [r["status"] for r in rows] == ["FAIL"] * 3  # one FAIL row each, then a fresh worker for the rest
     assert ("timed out" if returncode == 124 else "worker died (exit 139)") in rows[0]["result"]
@@ -314,7 +314,7 @@ def test_after_a_cuda_error_the_rest_runs_in_a_fresh_worker(tmp_path: Path, monk
     results.start(out, {})
     monkeypatch.setattr(gpu_check, "_run_command", fake)
     args = gpu_check._parser().parse_args(["--out", str(out)])
-    gpu_check.run_checks(args, every, [0, 1], {}, 1, time.perf_counter() + 100)
+    gpu_check.run_checks(args, gpu_check.Context(args.device, 1, 1, out), every, [0, 1], {}, time.perf_counter() + 100)
     assert calls == [[0, 1], [1]]
     assert [(r["check"], r["status"]) for r in results.load(out)["rows"]] == [("bad", "FAIL"), ("next", "PASS")]
 
