@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 from torch import nn
 
 from lightning_mrs.swap.attention_info import is_qk_name
-from lightning_mrs.swap.hf_format import PREFIX, RECORD_KEY, family_config, plain_config, recorded_layers, rooted, swapped_class
+from lightning_mrs.swap.hf_format import PREFIX, RECORD_KEY, config_base, family_config, recorded_layers, rooted, swapped_class
 from lightning_mrs.swap.registry import norm_spec
 
 __all__ = ["from_pretrained"]
@@ -98,7 +98,7 @@ def _read_config(transformers: Any, source: Any, config: Any, kwargs: dict[str, 
     """The saved config's record, its family's config class and ``architectures``, read only to find the
     class (transformers reads the config itself)."""
     if isinstance(config, transformers.PretrainedConfig):
-        return getattr(config, RECORD_KEY, None), type(plain_config(config)), getattr(config, "architectures", None)
+        return getattr(config, RECORD_KEY, None), config_base(type(config)), getattr(config, "architectures", None)
     where = config if config is not None else source
     if where is None:
         raise ValueError("lightning_mrs.from_pretrained(None): give a directory, or config= (and state_dict=)")

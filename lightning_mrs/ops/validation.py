@@ -7,14 +7,20 @@ and the fix instead of a wrong result or a crash inside a kernel.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_DTYPES", "check_inputs", "compute_dtype", "phasor_channel_dim"]
+__all__ = ["HALF_DTYPES", "check_inputs", "compute_dtype", "phasor_channel_dim", "positive_number"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def positive_number(value: object) -> bool:
+    """A finite int or float above 0 (not a bool): what ``eps`` and DyT's ``alpha0`` accept."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs.ops.validation import compute_dtype
+from lightning_mrs.ops.validation import compute_dtype, positive_number
 
 __all__ = ["DEFAULT_ALPHA0", "DyT", "DyT2d", "LLAMA_ALPHA0", "dyt"]
 
@@ -129,7 +129,7 @@ class DyT(nn.Module):
         name = type(self).__name__
         if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
             raise ValueError(f"{name}: num_channels must be a positive int, got {num_channels!r}.")
-        if isinstance(alpha0, bool) or not isinstance(alpha0, (int, float)) or not 0 < alpha0 < float("inf"):
+        if not positive_number(alpha0):
             raise ValueError(f"{name}({num_channels}): alpha0 must be a finite float > 0, got {alpha0!r}.")
         self.num_channels = num_channels
         self.channel_dim = self._CHANNEL_DIM

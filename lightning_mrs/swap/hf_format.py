@@ -50,7 +50,7 @@ from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.spec import rebuild
 from lightning_mrs.version import __version__
 
-__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "family_config", "live_layers", "plain_config",
+__all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "config_base", "family_config", "live_layers", "plain_config",
            "recorded_layers", "rooted", "saved_config", "swapped_class", "transformers_class"]
 
 RECORD_KEY = "lightning_mrs"
@@ -123,10 +123,7 @@ def recorded_layers(record: Any, where: str = "") -> dict[str, LayerRecord]:
 
 def _own(cls: type) -> type:
     """The class a swapped class extends (``cls`` when it is not one)."""
-    for c in cls.__mro__:
-        if "_lightning_mrs_own" in c.__dict__:
-            return c.__dict__["_lightning_mrs_own"]
-    return cls
+    return getattr(cls, "_lightning_mrs_own", cls)
 
 
 def family_base(cls: type) -> Optional[type]:
@@ -161,9 +158,14 @@ def auto_map(config_cls: type) -> dict[str, str]:
     return {"AutoConfig": f"{code}.{PREFIX}{config_cls.__name__}", **autos}
 
 
+def config_base(cls: type) -> type:
+    """The family's config class of a ``LightningMRS<BaseConfig>`` (``cls`` when it is not one)."""
+    return getattr(cls, "_lightning_mrs_config_base", None) or cls
+
+
 def config_class(base: type) -> type:
     """``LightningMRS<BaseConfig>``: ``base`` with the ``model_type`` ``lightning_mrs_<base's>``."""
-    base = getattr(base, "_lightning_mrs_config_base", None) or base
+    base = config_base(base)
     with _LOCK:
         cls = _CLASSES.get(base)
         if cls is None:
@@ -257,8 +259,8 @@ def rooted(layers: dict[str, LayerRecord], model: nn.Module) -> dict[str, LayerR
 def plain_config(config: Any) -> Any:
     """``config`` as its family's class, without the record and the ``auto_map`` (a copy; ``config``
     itself when it is not a ``LightningMRS<BaseConfig>``)."""
-    base = getattr(type(config), "_lightning_mrs_config_base", None)
-    if base is None:
+    base = config_base(type(config))
+    if base is type(config):
         return config
     config = copy.deepcopy(config)
     config.__class__ = base

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections import abc
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
 from torch import nn
+
+from lightning_mrs.ops.validation import positive_number
 
 __all__ = ["Alpha0", "HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
@@ -85,10 +86,6 @@ def _selectors(value: Selector, option: str) -> tuple[Union[str, type], ...]:
     return items
 
 
-def _positive(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
-
-
 def _alpha0(value: Alpha0, target: Optional[str]) -> Union[float, tuple[tuple[str, float], ...], None]:
     """``alpha0`` checked: ``None``, a float, or a tuple of ``(pattern, value)`` pairs."""
     if value is None:
@@ -96,14 +93,14 @@ def _alpha0(value: Alpha0, target: Optional[str]) -> Union[float, tuple[tuple[st
     if target != "dyt":
         raise ValueError(f"SwapOptions: alpha0={value!r} is the initial alpha of DyT layers, but target={target!r}; "
                          "use target='dyt', or drop alpha0.")
-    if _positive(value):
+    if positive_number(value):
         return float(value)
     fix = "pass a finite float > 0, or a mapping of dotted-name patterns to such floats, e.g. {'*.input_layernorm': 0.8, '*': 0.2}"
     if isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
         raise ValueError(f"SwapOptions: alpha0={value!r} is not valid; {fix}.")
     pairs = tuple(value.items()) if isinstance(value, abc.Mapping) else tuple(value)
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and _positive(pair[1])):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and positive_number(pair[1])):
             raise ValueError(f"SwapOptions: alpha0 entry {pair!r} is not valid; {fix}.")
     if not pairs:
         raise ValueError(f"SwapOptions: alpha0={value!r} is empty; {fix}.")
@@ -199,7 +196,7 @@ class SwapOptions:
             raise ValueError(f"SwapOptions: init={self.init!r} is not valid; choose one of {list(_INITS)}.")
         check_bool("SwapOptions", "strict", self.strict)
         eps = self.eps
-        if eps is not None and not _positive(eps):
+        if eps is not None and not positive_number(eps):
             raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
                              "finite float > 0.")
         object.__setattr__(self, "alpha0", _alpha0(self.alpha0, self.target))

@@ -36,14 +36,14 @@ from lightning_mrs.swap.registry import NormSpec, iter_norm_layers, norm_spec
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
+#: the swap target that builds a layer of each recorded kind
+_TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
+                   "dyt": "dyt", **{t: t for t in HALF_TARGETS}}
+
+
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
-    if target in HALF_TARGETS:
-        return spec.kind == target
-    if target in ("mrs", "dyt"):
-        return spec.kind == target
-    if target == "rms":
-        return spec.kind in ("rms", "rms2d")
-    return spec.kind in ("layer", "layer2d") or (spec.kind == "group" and getattr(module, "num_groups", 0) == 1)
+    """A layer ``target`` builds (a GroupNorm only with one group: LayerNorm over C, H, W)."""
+    return _TARGET_OF_KIND.get(spec.kind) == target and (spec.kind != "group" or getattr(module, "num_groups", 0) == 1)
 
 
 def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerRecord]:
@@ -84,11 +84,6 @@ def describe_layers(model: nn.Module, target: Optional[str]) -> dict[str, LayerR
         if qk or (target is not None and _of_target(module, spec, target)):
             records[name] = layer_record(name, module, spec)
     return records
-
-
-#: the swap target that builds a layer of each recorded kind
-_TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
-                   "dyt": "dyt", **{t: t for t in HALF_TARGETS}}
 
 
 def _literal(name: str) -> str:
