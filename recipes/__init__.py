@@ -12,7 +12,7 @@ import importlib.util
 
 #: what the recipes import beyond the core, as the ``recipes`` extra installs it
 _NEEDS = ("lightning", "torchvision", "timm", "torchmetrics", "tensorboard", "jsonargparse", "matplotlib", "scipy",
-          "tqdm", "sklearn", "transformers")
+          "tqdm", "sklearn", "transformers", "torchdata")
 _MISSING = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
 if _MISSING:
     raise ImportError(f"the recipes need {', '.join(_MISSING)}: pip install -e '.[recipes]' (from the repository root)")

@@ -82,8 +82,13 @@ def read_resume_checkpoint(path: str) -> dict[str, Any]:
     if os.path.isdir(path) and not os.path.isfile(target):
         raise UsageError(f"--ckpt_path {path}: a directory without {SHARD_METADATA}, so not the checkpoint of a "
                          "sharded run; pass the .ckpt file (or directory) Lightning wrote.")
+    return _read(target)
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The ``--ckpt_path`` file, memory-mapped; an unreadable one is a usage error naming it."""
     try:
-        return read_checkpoint(target, "cpu", owner="--ckpt_path", mmap=True)
+        return read_checkpoint(path, "cpu", owner="--ckpt_path", mmap=True)
     except (FileNotFoundError, ValueError) as err:
         raise UsageError(str(err)) from None
 
@@ -166,10 +171,7 @@ def check_checkpoint(path: str, model: nn.Module, hparams: Any) -> None:
         UsageError: the file is unreadable, or was trained with other ``--model.*`` options, or its
             weights' names or shapes differ from this run's model.
     """
-    try:
-        checkpoint = read_checkpoint(path, "cpu", owner="--ckpt_path", mmap=True)
-    except (FileNotFoundError, ValueError) as err:
-        raise UsageError(str(err)) from None
+    checkpoint = _read(path)
     where = f"--ckpt_path {os.fspath(path)}"
     saved = checkpoint.get("hyper_parameters") or {}
     differ = [f"--model.{k} {saved[k]!r} (this run: {hparams.get(k)!r})" for k in MODEL_OPTIONS

@@ -80,19 +80,23 @@ class SaveOnInterrupt(Callback):
     """
 
     def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._position: Any = None  # the training loader's state after the last batch trained
+        self._step_at_batch_start = 0
+        self._reset(training=False)
+
+    def _reset(self, training: bool) -> None:
+        """The state of a fit that has not been stopped (``training``: between on_train_start and on_train_end)."""
         self.requested = False
         self.sigterm = False
         self.exception: Optional[BaseException] = None
         self.saved: Optional[str] = None
         self.step: Optional[int] = None
         self.unsaved_reason: Optional[str] = None
-        self._previous: dict[int, Any] = {}
-        self._training = False  # between on_train_start and on_train_end: a state to save
+        self._training = training  # a state to save
         self._stop: Optional[BaseException] = None  # raised before the next batch or validation
         self._raised: Optional[BaseException] = None  # the stop raised (a second Ctrl-C is another exception)
-        self._position: Any = None  # the training loader's state after the last batch trained
         self._pending = 0  # batches trained since the last optimizer step (their gradients are in no checkpoint)
-        self._step_at_batch_start = 0
         self._stepping = False  # this batch's optimizer step has begun
 
     # ------------------------------------------------------------------ Ctrl-C and SIGTERM: a request
@@ -110,8 +114,7 @@ class SaveOnInterrupt(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.requested, self.sigterm, self.exception, self.saved, self.step, self.unsaved_reason = False, False, None, None, None, None
-        self._training, self._stop, self._raised, self._pending, self._stepping = True, None, None, 0, False
+        self._reset(training=True)
         self._remember_position(trainer)
         if threading.current_thread() is threading.main_thread():
             self._previous = {signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
@@ -153,7 +156,8 @@ class SaveOnInterrupt(Callback):
         self._remember_position(trainer)
         stop = 2 if self.requested else int(self.sigterm or bool(trainer.received_sigterm))  # Ctrl-C, SIGTERM, none
         if trainer.world_size > 1:  # every process stops after the same step, for the same reason: one collective
-            stop = int(trainer.strategy.reduce(torch.tensor(stop, device=trainer.strategy.root_device), reduce_op="max"))
+            code = torch.tensor(stop, device=trainer.strategy.root_device)
+            stop = int(trainer.strategy.reduce(code, reduce_op="max"))
         if stop and not 0 < trainer.max_steps <= trainer.global_step:  # the last step ends as usual
             # raised once this step's own logging is done, before anything of the next step trains
             self._stop = KeyboardInterrupt() if stop == 2 else SIGTERMException()

@@ -34,7 +34,7 @@ from torch import nn
 from recipes.common.errors import UsageError
 
 __all__ = ["DEFAULTS", "OPTIMIZERS", "build_optimizer", "eps_underflows", "no_decay_names", "optimizer_options",
-           "param_groups", "warmup_cosine"]
+           "param_groups", "run_schedule", "warmup_cosine"]
 
 OPTIMIZERS = ("sgd", "adamw")
 #: per optimizer: the defaults of the options left unset (``None``) on the command line
@@ -135,6 +135,13 @@ def warmup_cosine(total: int, warmup: int, cosine: bool = True) -> Callable[[int
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def run_schedule(trainer: Any, warmup_frac: float, schedule: str) -> Callable[[int], float]:
+    """:func:`warmup_cosine` over the fit's optimizer steps (``trainer.estimated_stepping_batches``), warming up
+    for ``warmup_frac`` of them; ``schedule`` ``"cosine"`` or ``"constant"``."""
+    total = max(1, int(trainer.estimated_stepping_batches))
+    return warmup_cosine(total, int(round(warmup_frac * total)), cosine=schedule == "cosine")
 
 
 def eps_underflows(optimizer: torch.optim.Optimizer) -> list[torch.dtype]:

@@ -45,7 +45,7 @@ from recipes.text.causal_lm import decoder_layers
 from recipes.common.errors import UsageError
 from recipes.text.model import build_byte_model
 from recipes.text.configure import FSDP2Strategy, compile_layers, shard_layers
-from recipes.common.optim import eps_underflows, optimizer_options, param_groups, warmup_cosine
+from recipes.common.optim import eps_underflows, optimizer_options, param_groups, run_schedule
 from recipes.text.corpus import unigram_entropy
 from recipes.common.training import DtypeWatch, check_model_options
 
@@ -415,8 +415,7 @@ class ByteLM(pl.LightningModule):
                       if isinstance(m, nn.Embedding) for p, _ in m.named_parameters(recurse=False)}
         optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, no_decay=embeddings), lr=hp.lr,
                                       betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        factor = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
+        factor = run_schedule(self.trainer, hp.warmup_frac, hp.schedule)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         # "name": LearningRateMonitor's tag, train/lr/<group> beside train/* (as the image recipe's)
         schedule = {"scheduler": scheduler, "interval": "step", "name": "train/lr"}

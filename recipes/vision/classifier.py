@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_mrs import MRSNorm, MRSNorm2d, swap_norms
 from recipes.vision.models import build_model
-from recipes.common.optim import build_optimizer, optimizer_options, warmup_cosine
+from recipes.common.optim import build_optimizer, optimizer_options, run_schedule
 from recipes.common.training import QK_NORM_CHOICES, check_model_options, check_qk_norms
 
 __all__ = ["NORMS", "QK_NORM_CHOICES", "RESULT", "ImageClassifier"]
@@ -184,8 +184,7 @@ class ImageClassifier(pl.LightningModule):
     @override
     def on_train_start(self) -> None:
         hp = self.hparams
-        total = max(1, int(self.trainer.estimated_stepping_batches))  # the training loader exists: no early build
-        self._schedule = warmup_cosine(total, int(round(hp.warmup_frac * total)), cosine=hp.schedule == "cosine")
+        self._schedule = run_schedule(self.trainer, hp.warmup_frac, hp.schedule)  # the loader exists: no early build
         scheduler = self.trainer.lr_scheduler_configs[0].scheduler
         for group, base in zip(self.trainer.optimizers[0].param_groups, scheduler.base_lrs):
             group["lr"] = base * self._factor(scheduler.last_epoch)  # LambdaLR's own formula, now on the schedule
