@@ -1,3 +1,3 @@
 """The package version (its own module: the swap records it in a config without importing the package root)."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
