@@ -24,7 +24,11 @@ __all__ = ["AXES", "PER_DATASET", "in_sweep_terms", "parse_args", "usable_cpus"]
 
 AXES = ("lrs", "batch_sizes", "seeds")
 PER_DATASET = ("arch", "arch_kwargs", "cifar_stem", "image_size", "augment", "accelerator")
-DATASETS = ("digits", "cifar100", "folder", "synthetic", "stdlib", "text")
+#: every --dataset, with what its help says of it (a kind's help lists the ones it takes)
+DATASETS = {"digits": "digits (scikit-learn's 8x8 scans, offline)", "cifar100": "cifar100",
+            "folder": "folder (your images in --root: DIR/train/<class>/*, DIR/val/<class>/*, or DIR/<class>/* split "
+                      "80/20)",
+            "synthetic": "synthetic (offline)", "stdlib": "stdlib (Python's own sources)", "text": "text (--path)"}
 # the recipes' (recipes/cifar100.py, recipes/lm.py) option names, as the sweep calls them
 _RECIPE_FLAGS = (("--model.arch_kwargs", "--arch-kwargs"), ("--model.config", "--arch-kwargs"),
                  ("--model.arch", "--arch"), ("--data.path", "--path"),
@@ -94,11 +98,16 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _grouped(values: Mapping[str, str]) -> str:
-    """``{"a": "1", "b": "1", "c": "2"}`` -> ``a, b 1; c 2``: each value once, after the names that share it."""
+    """``{"a": "1", "b": "2", "c": "2"}`` -> ``a 1; others 2``: each value once, the names listed (--dataset) once.
+
+    The value most names share is the others' (the first such on a tie); one value for every name is just the value.
+    """
     names: dict[str, list[str]] = {}
     for name, value in values.items():
         names.setdefault(value, []).append(name)
-    return "; ".join(f"{', '.join(n)} {v}" for v, n in names.items())
+    common = max(names, key=lambda v: len(names[v]))
+    return "; ".join([f"{', '.join(n)} {v}" for v, n in names.items() if v != common]
+                     + [f"others {common}" if len(names) > 1 else common])
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -118,7 +127,22 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
     def axis(key: str) -> Callable[[Sweep], str]:
         return lambda k: _list(k.grid[key]) + (f" (--quick: {_list(k.quick[key])})" if key in k.quick else "")
 
+    def elsewhere(has: Callable[[Sweep], bool]) -> str:  # an option the shown kind does not have: the kinds that do
+        return f"(default: none: an option of --sweep {', '.join(k.name for k in kinds.values() if has(k))})"
+
+    def sets(key: str) -> Callable[[Sweep], bool]:  # the kind's datasets give the option a default
+        return lambda k: k.datasets.get(k.default_dataset, {}).get(key) is not None
+
+    def takes(dataset: str) -> Callable[[Sweep], bool]:
+        return lambda k: dataset in k.datasets
+
+    def unless(has: Callable[[Sweep], bool], text: str) -> str:
+        return text if has(shown) else elsewhere(has)
+
     def per_dataset(key: str, show: Callable[[Any], str] = repr) -> str:
+        if key != "epochs" and all(d[key] is None for d in shown.datasets.values()):  # an image option, LM sweep
+            return elsewhere(sets(key))
+
         def value(d: Mapping[str, Any]) -> str:
             if key == "epochs" and d.get("max_steps"):
                 return f"none (--max-steps {d['max_steps']})"
@@ -126,9 +150,9 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
 
         return "(default: " + _grouped({name: value(d) for name, d in shown.datasets.items()}) + ")"
 
-    def where_set(key: str) -> str:  # a default only some kinds have, the same for each of their datasets
+    def where_set(key: str, text: str, default: Optional[str] = None) -> str:  # an option only some kinds have
         value = shown.datasets.get(shown.default_dataset, {}).get(key)
-        return f"(default: {value})" if value is not None else f"(default: none: not an option of --sweep {shown.name})"
+        return elsewhere(sets(key)) if value is None else f"{text} (default: {default or value})"
 
     p = _OneLineParser(
         formatter_class=_Formatter,
@@ -147,7 +171,7 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
         arms = " ".join(a + "*" * (a in kind.grid["arms"]) for a in kind.arms) + " (default: the arms marked *)"
         g.add_argument(kind.flag, nargs="+", choices=list(kind.arms), metavar="ARM",
                        help=f"{kind.arms_help}: {arms}" if kind is shown else
-                       f"--sweep {kind.name}'s arms (default: listed by --sweep {kind.name} --help)")
+                       f"(default: listed by --sweep {kind.name} --help)")
     g.add_argument("--lrs", nargs="+", type=_LR, metavar="LR", help="peak learning rates " + per_kind(axis("lrs")))
     g.add_argument("--batch-sizes", nargs="+", type=_COUNT, metavar="N", help=per_kind(axis("batch_sizes")))
     g.add_argument("--seeds", nargs="+", type=int, metavar="N", help=per_kind(axis("seeds")))
@@ -166,8 +190,8 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
                            else "(default: unset)"))
     b.add_argument("--warmup-frac", type=_checked(float, lambda v: 0 <= v < 1, "in [0, 1)"), metavar="F", help="linear warm-up share of the steps; 0: the stress "
                    "hits the peak lr at once " + per_kind(lambda k: f"{k.warmup_frac:g}"))
-    b.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
-                   help="lr schedule after the warm-up, stepped per optimizer step (default: cosine)")
+    b.add_argument("--schedule", choices=["cosine", "constant"], default="cosine", metavar="NAME",
+                   help="lr schedule after the warm-up, cosine or constant, stepped per optimizer step (default: cosine)")
     b.add_argument("--weight-decay", type=_checked(float, lambda v: v >= 0, ">= 0"), metavar="F",
                    help="weight decay " + per_kind(lambda k: f"{k.weight_decay:g} ({k.optimizer})"))
     b.add_argument("--log-every", type=_COUNT, default=10, metavar="N",
@@ -178,34 +202,33 @@ def _parser(kinds: Mapping[str, Sweep], default: str, shown: Sweep) -> argparse.
                    help="fraction (<= 1) or number (> 1) of validation batches (default: 1.0, all)")
     d = p.add_argument_group("data and model")
     d.add_argument("--dataset", choices=list(DATASETS), metavar="NAME",
-                   help="digits (scikit-learn's 8x8 scans, offline), cifar100, folder (your images in --root: "
-                        "DIR/train/<class>/*, DIR/val/<class>/*, or DIR/<class>/* split 80/20), synthetic (offline); "
-                        "language-model sweeps: stdlib (Python's own sources) or text (--path) "
-                        + per_kind(lambda k: k.default_dataset))
-    d.add_argument("--root", metavar="DIR", help="CIFAR-100 directory, downloaded there when missing; with --dataset "
-                   "folder, the image folder (default: data)")
-    d.add_argument("--path", metavar="PATH", help="with --dataset text: the text file or folder (lm.py's --data.path) "
-                   "(default: none; --dataset text requires it)")
-    d.add_argument("--seq-len", type=_COUNT, metavar="N", help="language-model sweeps: tokens per window "
-                   + where_set("seq_len"))
-    d.add_argument("--pretrained", metavar="DIR", help="--sweep convert: your own checkpoint (a save_pretrained "
-                   "directory with its tokenizer) as the base model (default: none, the sweep trains and caches one)")
-    d.add_argument("--base-steps", type=_COUNT, metavar="N", help="--sweep convert: optimizer steps of the base model it "
-                   "trains once with its own RMSNorms and caches " + where_set("base_steps"))
+                   help=", ".join(DATASETS[name] for name in shown.datasets) + " " + per_kind(lambda k: k.default_dataset))
+    d.add_argument("--root", metavar="DIR", help=unless(takes("cifar100"), "CIFAR-100 directory, downloaded there when "
+                   "missing; with --dataset folder, the image folder (default: data)"))
+    d.add_argument("--path", metavar="PATH", help=unless(takes("text"), "with --dataset text: the text file or folder "
+                   "(lm.py's --data.path) (default: none; --dataset text requires it)"))
+    d.add_argument("--seq-len", type=_COUNT, metavar="N", help=where_set("seq_len", "tokens per window"))
+    d.add_argument("--pretrained", metavar="DIR", help=where_set(
+        "base_steps", "your own checkpoint (a save_pretrained directory with its tokenizer) as the base model",
+        "none, the sweep trains and caches one"))
+    d.add_argument("--base-steps", type=_COUNT, metavar="N", help=where_set(
+        "base_steps", "optimizer steps of the base model the sweep trains once with its own RMSNorms and caches"))
     d.add_argument("--image-size", type=_COUNT, metavar="N",
                    help="images resized to this height and width " + per_dataset("image_size"))
     d.add_argument("--augment", action=argparse.BooleanOptionalAction,
                    help="training augmentation " + per_dataset("augment", _flag))
-    d.add_argument("--arch", metavar="NAME", help="--sweep norm and qk: a torchvision/timm model that "
-                   "recipes/cifar100.py takes; language-model sweeps: a transformers model_type with a causal-LM head "
-                   "(llama, gpt2, qwen3, ...) " + per_dataset("arch"))
+    d.add_argument("--arch", metavar="NAME", help=("a transformers model_type with a causal-LM head (llama, gpt2, "
+                   "qwen3, ...) " if "text" in shown.datasets else "a torchvision/timm model that recipes/cifar100.py "
+                   "takes ") + per_dataset("arch"))
     d.add_argument("--arch-kwargs", type=json.loads, metavar="JSON",
                    help="model-builder arguments; the per-dataset default applies only to the default --arch "
                         + per_dataset("arch_kwargs", json.dumps))
     d.add_argument("--cifar-stem", action=argparse.BooleanOptionalAction,
                    help="3x3 stride-1 stem without max-pool for ResNets " + per_dataset("cifar_stem", _flag))
-    d.add_argument("--synthetic-train-size", type=int, metavar="N", help="training images of synthetic (default: 50000)")
-    d.add_argument("--synthetic-val-size", type=int, metavar="N", help="validation images of synthetic (default: 10000)")
+    d.add_argument("--synthetic-train-size", type=int, metavar="N",
+                   help=unless(takes("synthetic"), "training images of synthetic (default: 50000)"))
+    d.add_argument("--synthetic-val-size", type=int, metavar="N",
+                   help=unless(takes("synthetic"), "validation images of synthetic (default: 10000)"))
     r = p.add_argument_group("where to run")
     r.add_argument("--accelerator", metavar="NAME", help="Lightning accelerator; a GPU cell asks its worker for a GPU "
                    + per_dataset("accelerator", str))
