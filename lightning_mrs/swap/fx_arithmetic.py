@@ -25,6 +25,7 @@ _CASTS = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "_to_c
 _EPS = _CASTS | {"add", "add_", "iadd", "clamp", "clamp_", "clamp_min", "clamp_min_"}  # moment -> rsqrt/sqrt
 _TO_SCALE = _CASTS | {"add", "add_", "iadd", "reciprocal"}  # rsqrt/sqrt -> the multiply or divide
 _SCALE = {"mul", "mul_", "imul", "div", "div_", "truediv", "itruediv"}
+_ELEMENTWISE = _CASTS | _SCALE | {"sub", "sub_", "add", "add_", "neg"}  # what a scaled activation is made with
 
 
 def _op(node: Any) -> str:
@@ -82,18 +83,23 @@ def _downstream(start: Node, through: set[str], stop: set[str]) -> Iterator[tupl
         frontier = following
 
 
-def _strip(node: Any) -> Any:
-    """The activation under casts and a centring: ``x`` for ``x.float()`` and for ``x - x.mean(-1)``."""
-    while isinstance(node, Node) and node.args and (_op(node) in _CASTS or _op(node) in ("sub", "sub_")):
-        node = node.args[0]
-    return node
+def _sources(node: Any) -> set[Any]:
+    """``node`` and what it is elementwise made of (a few steps): a norm may scale ``x.float()``,
+    ``x - x.mean(-1)`` or ``weight * x`` by the ``rsqrt``/``sqrt`` of ``x``'s moment."""
+    found, frontier = {node}, [node]
+    for _ in range(4):
+        frontier = [arg for n in frontier if _op(n) in _ELEMENTWISE for arg in n.args if isinstance(arg, Node)]
+        found.update(frontier)
+    return found
 
 
-def _scales(root: Node, base: Node) -> bool:
-    """Whether ``root`` (an ``rsqrt``/``sqrt``/``std`` of ``base``'s moment) multiplies or divides ``base``."""
+def _scales(root: Node, base: Node, activations: set[Node]) -> bool:
+    """Whether ``root`` (an ``rsqrt``/``sqrt``/``std`` of ``base``'s moment) multiplies or divides ``base``:
+    both made of one activation (a shared weight does not count)."""
+    made_of = _sources(base) & activations  # a centred base (x - u) is made of x, as x - u is
     for scale, reached_from in _downstream(root, _TO_SCALE, _SCALE):
         others = [arg for arg in scale.args if isinstance(arg, Node) and arg is not reached_from]
-        if any(_strip(arg) is _strip(base) for arg in others):
+        if any(made_of & _sources(arg) for arg in others):
             return True
     return False
 
@@ -111,6 +117,6 @@ def norm_arithmetic(graph_module: torch.fx.GraphModule) -> list[Node]:
             continue
         base, rooted = found
         candidates = [node] if rooted else [root for root, _ in _downstream(node, _EPS, {"rsqrt", "sqrt"})]
-        roots.update((root, None) for root in candidates if _scales(root, base))
+        roots.update((root, None) for root in candidates if _scales(root, base, from_input))
     order = {node: i for i, node in enumerate(graph_module.graph.nodes)}
     return sorted(roots, key=order.__getitem__)
