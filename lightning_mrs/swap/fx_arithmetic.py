@@ -113,7 +113,7 @@ def norm_arithmetic(graph_module: torch.fx.GraphModule) -> list[Node]:
         if node.op == "placeholder" or any(arg in from_input for arg in node.all_input_nodes):
             from_input.add(node)
         found = _moment(node)
-        if found is None or found[0] not in from_input:
+        if found is None:
             continue
         base, rooted = found
         candidates = [node] if rooted else [root for root, _ in _downstream(node, _EPS, {"rsqrt", "sqrt"})]

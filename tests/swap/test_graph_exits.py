@@ -241,8 +241,8 @@ def test_a_compiled_module_is_swapped_and_recompiled(how: str) -> None:
 # ---- graphs that stay allowed: norms that are layers, and a mean of squares that normalises nothing ----
 
 class Heads(nn.Module):
-    """A LayerNorm layer among arithmetic that is not a norm: attention's softmax and scale, a loss, an RMS
-    metric, an L2 normalisation (``F.normalize``, a sum of squares) and a weight's standardisation."""
+    """A LayerNorm layer among arithmetic that is not a norm: attention's softmax and scale, a loss and a
+    relative loss (scaled by the target's RMS), an RMS metric, an L2 normalisation (``F.normalize``, a sum of squares) and a weight's standardisation."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -255,11 +255,12 @@ class Heads(nn.Module):
         attn = (q @ k.transpose(-2, -1) * q.size(-1) ** -0.5).softmax(-1)
         y = self.norm(attn @ v)
         loss = ((y - target) ** 2).mean()
+        relative = loss * torch.rsqrt(target.pow(2).mean(-1, keepdim=True) + 1e-8)  # scales the loss, not target
         rms = torch.sqrt(y.pow(2).mean(-1, keepdim=True))  # a metric, scaling nothing
         unit = torch.nn.functional.normalize(y, dim=-1) + y / y.pow(2).sum(-1, keepdim=True).sqrt()
         w = self.proj
         standard = (w - w.mean(-1, keepdim=True)) * torch.rsqrt(w.pow(2).mean(-1, keepdim=True) + 1e-5)
-        return y @ standard, loss, rms, unit
+        return y @ standard, loss, relative, rms, unit
 
 
 def test_arithmetic_that_is_not_a_norm_is_not_refused() -> None:
