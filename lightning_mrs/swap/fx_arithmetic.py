@@ -29,7 +29,8 @@ _ELEMENTWISE = _CASTS | _SCALE | {"sub", "sub_", "add", "add_", "neg"}  # what a
 
 
 def _op(node: Any) -> str:
-    """The bare operation name of ``node``: ``"pow"`` for ``x.pow``, ``torch.pow``, ``operator.pow``, ``aten.pow.Tensor_Scalar``."""
+    """The bare operation name of ``node``: ``"pow"`` for ``x.pow``, ``torch.pow``, ``operator.pow`` and
+    ``aten.pow.Tensor_Scalar``."""
     if not isinstance(node, Node):
         return ""
     if node.op == "call_method":

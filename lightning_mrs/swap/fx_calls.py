@@ -116,7 +116,8 @@ def refuse_hidden_norms(owner: str, model: nn.Module) -> None:
             shown = [f"{count} {function}" for function, count in calls.most_common()]
             if arithmetic:
                 nodes = ", ".join(arithmetic[:3]) + (" ..." if len(arithmetic) > 3 else "")
-                shown.append(f"{len(arithmetic)} mean of squares or variance, then rsqrt/sqrt, at node{'s' * (len(arithmetic) > 1)} {nodes}")
+                plural = "s" if len(arithmetic) > 1 else ""
+                shown.append(f"{len(arithmetic)} mean of squares or variance, then rsqrt/sqrt, at node{plural} {nodes}")
             how = " and ".join(kind for kind, found in (("function calls", calls), ("arithmetic", arithmetic)) if found)
             raise ValueError(
                 f"{owner}: {where} is a torch.fx GraphModule that computes {sum(calls.values()) + len(arithmetic)} "

@@ -19,8 +19,6 @@ from torch import Tensor, nn
 from lightning_mrs import swap_norms
 from lightning_mrs.swap.fx_arithmetic import norm_arithmetic
 
-FIX = "nothing was changed: swap the eager model first, then"
-
 
 class HandRMS(nn.Module):
     """The issue's repro: the arithmetic of ``LlamaRMSNorm`` (cast to float32, rsqrt, weight)."""
@@ -143,8 +141,9 @@ class Both(nn.Module):
 
 def test_a_graph_with_norm_calls_and_arithmetic_names_both() -> None:
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(8, 8), Both()))
-    with pytest.raises(ValueError, match=r"computes 2 norms as function calls and arithmetic, not layers \(1 layer_norm, "
-                                         r"1 mean of squares or variance, then rsqrt/sqrt, at node rsqrt\)"):
+    with pytest.raises(ValueError, match=r"computes 2 norms as function calls and arithmetic, not layers "
+                                         r"\(1 layer_norm, 1 mean of squares or variance, then rsqrt/sqrt, "
+                                         r"at node rsqrt\)"):
         swap_norms(gm, "mrs")
 
 
@@ -242,7 +241,8 @@ def test_a_compiled_module_is_swapped_and_recompiled(how: str) -> None:
 
 class Heads(nn.Module):
     """A LayerNorm layer among arithmetic that is not a norm: attention's softmax and scale, a loss and a
-    relative loss (scaled by the target's RMS), an RMS metric, an L2 normalisation (``F.normalize``, a sum of squares) and a weight's standardisation."""
+    relative loss (scaled by the target's RMS), an RMS metric, an L2 normalisation (``F.normalize``, a sum
+    of squares) and a weight's standardisation."""
 
     def __init__(self) -> None:
         super().__init__()
