@@ -79,8 +79,8 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                          f"swap_norms: calibration= is only used with init='calibrate' (init={opts.init!r})")
 
     target, spatial, strict = opts.target, opts.spatial, opts.strict
-    if target is not None:
-        refuse_hidden_norms("swap_norms", model)  # a graph's inlined norms (fx, export, TorchScript): no layer
+    if target is not None or opts.qk_kind is not None:  # a graph's inlined norms (fx, export, TorchScript): no layer
+        refuse_hidden_norms("swap_norms", model, body=target is not None)
     report = SwapReport(target, options=opts)
 
     # 1. every dotted name of every module (a shared module has several)

@@ -84,14 +84,16 @@ def _script_norms(module: torch.jit.ScriptModule) -> list[str]:
     return sorted(found | ({"mean", "sqrt"} if {"mean", "sqrt"} <= ops else set()))
 
 
-def refuse_hidden_norms(owner: str, model: nn.Module) -> None:
+def refuse_hidden_norms(owner: str, model: nn.Module, body: bool = True) -> None:
     """Raise a one-line ``ValueError`` if ``model`` holds norms no swap can see, before anything is changed.
 
     A ``torch.fx`` graph that computes norms as function calls (:func:`norm_calls`) or as arithmetic
     (:func:`lightning_mrs.swap.fx_arithmetic.norm_arithmetic`), a ``torch.export`` module (every layer
     flattened into aten ops), and a TorchScript module whose compiled code computes a norm. A
     ``torch.compile`` module is not refused: its ``_orig_mod`` is swapped in place and dynamo's guards
-    recompile it on the next call.
+    recompile it on the next call. With ``body=False`` (only QK-norms are added, the body's norms kept),
+    only a ``torch.export`` module is refused: its attention layers are aten ops too, while a ``torch.fx``
+    graph may keep them as layers.
     """
     fix = "nothing was changed: swap the eager model first, then"
     for name, module in model.named_modules():
@@ -99,9 +101,11 @@ def refuse_hidden_norms(owner: str, model: nn.Module) -> None:
         if _exported(module):
             raise ValueError(
                 f"{owner}: {where} is a torch.export module ({type(module).__name__}), whose layers export flattened "
-                f"into aten ops, so no swap can replace its norms; {fix} export it (torch.export.export(swapped, "
-                "args).module())"
+                f"into aten ops, so no swap can replace its norms or attention; {fix} export it "
+                "(torch.export.export(swapped, args).module())"
             )
+        if not body:
+            continue
         if isinstance(module, torch.jit.ScriptModule) and _script_norms(module):
             raise ValueError(
                 f"{owner}: {where} is a TorchScript module ({module.original_name}) whose compiled code computes "

@@ -162,11 +162,13 @@ def test_an_exported_llama_is_refused_as_a_module_and_as_a_program() -> None:
     before = module(ids, use_cache=False).logits
     assert norm_arithmetic(module)  # its 3 LlamaRMSNorms are aten pow/mean/rsqrt now (refused whatever they are)
     message = (r"^swap_norms: the model is a torch.export module \(\w+\), whose layers export flattened into aten ops, "
-               r"so no swap can replace its norms; nothing was changed: swap the eager model first, then export it "
-               r"\(torch.export.export\(swapped, args\).module\(\)\)$")
+               r"so no swap can replace its norms or attention; nothing was changed: swap the eager model first, "
+               r"then export it \(torch.export.export\(swapped, args\).module\(\)\)$")
     for target in ("mrs", "layer"):
         with pytest.raises(ValueError, match=message):
             swap_norms(module, target, strict=False)
+    with pytest.raises(ValueError, match=message):  # QK-norms only: its attention is aten ops too
+        swap_norms(module, None, qk_norm="mrs")
     unflattened = torch.export.unflatten(program)  # a tree of InterpreterModules, no norm layer either
     with pytest.raises(ValueError, match=r"^swap_norms: the model is a torch.export module \(UnflattenedModule\)"):
         swap_norms(unflattened, "mrs")
