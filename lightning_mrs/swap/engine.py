@@ -16,7 +16,7 @@ from torch import nn
 from lightning_mrs.swap.attention import plan_attention
 from lightning_mrs.swap.build import Plan, build_replacement, offloaded, plan_replacement
 from lightning_mrs.swap.calibrate import Calibration, calibrate, check_runs
-from lightning_mrs.swap.fx_calls import refuse_norm_calls
+from lightning_mrs.swap.fx_calls import refuse_hidden_norms
 from lightning_mrs.swap.options import SwapOptions, check_model
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport, by_reason, check_report
@@ -54,9 +54,10 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
         UserWarning: the model has norm layers but none was converted (the reasons are listed).
 
     Raises:
-        ValueError: a bad option, the root is a norm, a ``torch.fx`` graph computes norms as function
-            calls (swap before tracing: :mod:`lightning_mrs.swap.fx_calls`), or (``strict``) a norm
-            cannot be swapped. The model is untouched when this is raised.
+        ValueError: a bad option, the root is a norm, a graph computes norms inline (a ``torch.fx`` graph's
+            norm calls or arithmetic, a ``torch.export`` module, TorchScript; swap before tracing:
+            :mod:`lightning_mrs.swap.fx_calls`), or (``strict``) a norm cannot be swapped. The model is
+            untouched when this is raised.
         TypeError: ``model`` is not an ``nn.Module``, an unknown option, or an option of the
             wrong type (``strict``, ``include``/``exclude``).
 
@@ -78,8 +79,8 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                          f"swap_norms: calibration= is only used with init='calibrate' (init={opts.init!r})")
 
     target, spatial, strict = opts.target, opts.spatial, opts.strict
-    if target is not None:
-        refuse_norm_calls("swap_norms", model)  # a traced graph's inlined norms: no layer to replace
+    if target is not None or opts.qk_kind is not None:  # a graph's inlined norms (fx, export, TorchScript): no layer
+        refuse_hidden_norms("swap_norms", model, body=target is not None)
     report = SwapReport(target, options=opts)
 
     # 1. every dotted name of every module (a shared module has several)

@@ -8,6 +8,7 @@ from collections import abc
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
+import torch
 from torch import nn
 
 from lightning_mrs.ops.validation import positive_number
@@ -44,7 +45,13 @@ def check_bool(owner: str, name: str, value: Any) -> None:
 
 def check_model(owner: str, model: Any) -> None:
     """Raise a ``TypeError`` naming ``owner`` unless ``model`` is an ``nn.Module`` (a model
-    name is the usual mistake: build the model first)."""
+    name is the usual mistake: build the model first; an ``ExportedProgram``: swap before exporting)."""
+    if isinstance(model, torch.export.ExportedProgram):  # a program, not a module: its layers are aten ops
+        raise TypeError(
+            f"{owner}: model must be a torch.nn.Module, got a torch.export ExportedProgram, whose layers export "
+            "flattened into aten ops, so no swap can replace its norms; pass the eager model (swap it first, then "
+            "export it: torch.export.export(swapped, args))."
+        )
     if not isinstance(model, nn.Module):
         example = f"timm.create_model({model!r})" if isinstance(model, str) else 'timm.create_model("resnet18")'
         shown = repr(model) if len(repr(model)) <= 80 else repr(model)[:77] + "..."  # e.g. a whole state_dict
