@@ -17,7 +17,10 @@ of its own class (``isinstance`` checks hold) that changes two things:
   mapped onto the class built (a causal LM's directory loads as ``AutoModel`` or a classifier, as
   transformers maps the weights' keys). The model's config is the family's (``model_type`` too),
   and ``is_custom_code`` is the extended class's: transformers loads, initialises and saves it as
-  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills).
+  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills);
+* a record travels with a guard (:mod:`~lightning_mrs.swap.hf_guard`) that the family's own class
+  refuses, and its ``peft_config`` gives a task-less PEFT adapter config the task of its Auto class,
+  so that ``AutoPeftModelFor<Task>`` opens the adapter.
 
 A user's subclass (``class MyClassifier(LlamaForSequenceClassification)``) keeps its class in
 memory and saves as its transformers base (``LightningMRSLlamaForSequenceClassification``), the
