@@ -49,6 +49,7 @@ from torch import nn
 
 from lightning_mrs.swap.hf import derives_from_transformers
 from lightning_mrs.swap.hf_guard import GUARDED_KEYS, guard_text, guarded, unguarded
+from lightning_mrs.swap.hf_peft import peft_config
 from lightning_mrs.swap.layer_record import LayerRecord, layer_record
 from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.spec import rebuild
@@ -232,7 +233,7 @@ def swapped_class(own: type) -> type:
             name = PREFIX + (base or own).__name__  # a user's subclass saves as its transformers base
             body = {"__module__": CODE, "__qualname__": name, "__init__": _init, "save_pretrained": _save_pretrained,
                     "__reduce_ex__": _reduce_ex, "is_custom_code": classmethod(_is_custom_code),
-                    "peft_config": property(_peft_configs, _set_peft_configs, _del_peft_configs),
+                    "peft_config": peft_config,
                     "_lightning_mrs_own": own,
                     "__doc__": f"``{own.__name__}`` whose norms lightning-mrs swapped."}
             if base is not None and getattr(base, "config_class", None) is not None:
@@ -251,41 +252,6 @@ def _is_custom_code(cls: type) -> bool:
     that class's, so transformers loads, initialises and saves it as that class (the family's checkpoint
     conversions, a parent's ``_init_weights`` that fills its children's buffers: FalconH1's ``mup_vector``)."""
     return _own(cls).is_custom_code()
-
-
-#: the PEFT task of each Auto class that ``AutoPeftModelFor<Task>`` builds the base model with
-_PEFT_TASKS = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassification": "SEQ_CLS",
-               "AutoModelForTokenClassification": "TOKEN_CLS", "AutoModelForQuestionAnswering": "QUESTION_ANS",
-               "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM", "AutoModel": "FEATURE_EXTRACTION"}
-
-
-def _peft_configs(self: nn.Module) -> Any:
-    try:
-        return self.__dict__["peft_config"]
-    except KeyError:
-        raise AttributeError("peft_config") from None  # nn.Module.__getattr__ says it in full
-
-
-def _set_peft_configs(self: nn.Module, configs: Any) -> None:
-    """PEFT's tuner hands the swapped model its adapter configs (``model.peft_config = {name: config}``).
-    An adapter config without a ``task_type`` makes PEFT's ``save_pretrained`` record the class that built
-    the base model (``LightningMRS<Base>``, in lightning-mrs), which ``AutoPeftModel*`` refuses to import
-    (its allowlist holds transformers): a copy of each such config gets the task of the Auto class this
-    class is registered for (``CAUSAL_LM``...), so the adapter records that task, and ``AutoPeftModelFor<Task>
-    .from_pretrained(adapter, trust_remote_code=True)`` loads the base through the Auto class, as for any
-    custom model. The caller's config object is not changed."""
-    task = _PEFT_TASKS.get(getattr(type(self), "_auto_class", None) or "")
-    if task is not None and isinstance(configs, dict):
-        for name, config in list(configs.items()):
-            if getattr(config, "task_type", task) is None and not getattr(config, "is_prompt_learning", True):
-                configs[name] = copy.copy(config)
-                configs[name].task_type = task
-    self.__dict__["peft_config"] = configs
-
-
-def _del_peft_configs(self: nn.Module) -> None:
-    if self.__dict__.pop("peft_config", None) is None:
-        raise AttributeError("peft_config")
 
 
 def _new_swapped(own: type) -> nn.Module:
