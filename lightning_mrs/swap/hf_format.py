@@ -17,7 +17,10 @@ of its own class (``isinstance`` checks hold) that changes two things:
   mapped onto the class built (a causal LM's directory loads as ``AutoModel`` or a classifier, as
   transformers maps the weights' keys). The model's config is the family's (``model_type`` too),
   and ``is_custom_code`` is the extended class's: transformers loads, initialises and saves it as
-  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills).
+  the family (checkpoint conversions, buffers a parent's ``_init_weights`` fills);
+* a record travels with a guard (:mod:`~lightning_mrs.swap.hf_guard`) that the family's own class
+  refuses, and its ``peft_config`` gives a task-less PEFT adapter config the task of its Auto class,
+  so that ``AutoPeftModelFor<Task>`` opens the adapter.
 
 A user's subclass (``class MyClassifier(LlamaForSequenceClassification)``) keeps its class in
 memory and saves as its transformers base (``LightningMRSLlamaForSequenceClassification``), the
@@ -45,6 +48,8 @@ import torch
 from torch import nn
 
 from lightning_mrs.swap.hf import derives_from_transformers
+from lightning_mrs.swap.hf_guard import GUARDED_KEYS, guard_text, guarded, unguarded
+from lightning_mrs.swap.hf_peft import peft_config
 from lightning_mrs.swap.layer_record import LayerRecord, layer_record
 from lightning_mrs.swap.registry import norm_spec
 from lightning_mrs.swap.spec import rebuild
@@ -56,6 +61,8 @@ __all__ = ["FORMAT", "PREFIX", "RECORD_KEY", "adopt", "auto_map", "config_base",
 RECORD_KEY = "lightning_mrs"
 #: the record format this release writes and reads (1: lightning-mrs 0.2.0's guarded config, no longer read)
 FORMAT = 2
+#: the lightning-mrs release that first wrote each record format (what a refusal tells to install)
+FORMAT_RELEASES = {1: "0.2.0", 2: "0.3.0"}
 PREFIX = "LightningMRS"
 TYPE_PREFIX = "lightning_mrs_"  # a LightningMRS<BaseConfig>'s model_type: lightning_mrs_<family>
 #: the module ``save_pretrained`` copies beside the weights (the swapped classes' ``__module__``)
@@ -90,13 +97,20 @@ def transformers_class(name: str, record_format: int = FORMAT) -> type:
         raise AttributeError(f"module {CODE!r} has no attribute {name!r}")
     if record_format != FORMAT:
         raise ImportError(f"this model's modeling_lightning_mrs.py was written for lightning-mrs record format "
-                          f"{record_format}; lightning-mrs {__version__} reads format {FORMAT}: "
+                          f"{record_format}; lightning-mrs {__version__} reads format "
+                          f"{FORMAT}{_written_by(FORMAT)}: "
                           f"{'pip install -U lightning-mrs' if record_format > FORMAT else 're-save it'}")
     if issubclass(base, nn.Module):
         return swapped_class(base)
     if any(c.__module__ == "transformers.configuration_utils" for c in base.__mro__):
         return config_class(base)
     raise AttributeError(f"module {CODE!r} has no attribute {name!r}")
+
+
+def _written_by(record_format: Any) -> str:
+    """`` (written since lightning-mrs X)`` for a format :data:`FORMAT_RELEASES` knows."""
+    release = FORMAT_RELEASES.get(record_format) if isinstance(record_format, int) else None
+    return f" (written since lightning-mrs {release})" if release else ""
 
 
 def recorded_layers(record: Any, where: str = "") -> dict[str, LayerRecord]:
@@ -115,10 +129,12 @@ def recorded_layers(record: Any, where: str = "") -> dict[str, LayerRecord]:
     saved_by = record.get("version", "?") if isinstance(record, dict) else "?"
     if isinstance(got, int) and got > FORMAT:
         raise ValueError(f"{where}config.json's {RECORD_KEY} record has format {got}, written by lightning-mrs {saved_by}; "
-                         f"lightning-mrs {__version__} reads format {FORMAT}: pip install -U 'lightning-mrs>={saved_by}'")
-    raise ValueError(f"{where}config.json's {RECORD_KEY} record has format {got!r} (lightning-mrs {saved_by}, before "
-                     "the custom-model format), which this release does not read: load it with that release and "
-                     "save the model's state_dict, then swap_norms a fresh model as recorded and save_pretrained it")
+                         f"lightning-mrs {__version__} reads format {FORMAT}{_written_by(FORMAT)}: "
+                         f"pip install -U 'lightning-mrs>={saved_by}'")
+    raise ValueError(f"{where}config.json's {RECORD_KEY} record has format {got!r}, saved by lightning-mrs {saved_by}; "
+                     f"lightning-mrs {__version__} reads format {FORMAT}{_written_by(FORMAT)}: load it with "
+                     f"lightning-mrs {FORMAT_RELEASES.get(got, saved_by)}, save the model's state_dict, then swap_norms "
+                     "a fresh model as recorded and save_pretrained it")
 
 
 def _own(cls: type) -> type:
@@ -173,7 +189,7 @@ def config_class(base: type) -> type:
             importlib.import_module(CODE)  # in sys.modules: transformers' custom_object_save copies its file
             cls = type(name, (base,), {"model_type": TYPE_PREFIX + base.model_type, "__module__": CODE,
                                        "__qualname__": name, "_lightning_mrs_config_base": base,
-                                       "from_dict": classmethod(_config_from_dict),
+                                       "from_dict": classmethod(_config_from_dict), "to_dict": _config_to_dict,
                                        "__doc__": f"``{base.__name__}`` of a model whose norms lightning-mrs swapped."})
             cls.register_for_auto_class("AutoConfig")
             _CLASSES[base] = cls
@@ -195,6 +211,16 @@ def _config_from_dict(cls: type, config_dict: dict[str, Any], **kwargs: Any) -> 
     return super(cls, cls).from_dict.__func__(cls, config_dict, **kwargs)
 
 
+def _config_to_dict(self: Any) -> dict[str, Any]:
+    """The family's ``to_dict``, with the guard in :data:`~lightning_mrs.swap.hf_guard.GUARDED_KEYS` when the
+    config holds a record: ``config.json`` refuses the family's own class, whoever writes it."""
+    out = config_base(type(self)).to_dict(self)
+    record = out.get(RECORD_KEY)
+    if record is not None:
+        out.update(dict.fromkeys(GUARDED_KEYS, guard_text(record.get("format") if isinstance(record, dict) else FORMAT)))
+    return out
+
+
 def swapped_class(own: type) -> type:
     """``LightningMRS<Base>``: ``own`` (a transformers model class, or a subclass of one) whose
     ``save_pretrained`` writes the custom-model format and whose ``__init__`` rebuilds a recorded swap."""
@@ -207,6 +233,7 @@ def swapped_class(own: type) -> type:
             name = PREFIX + (base or own).__name__  # a user's subclass saves as its transformers base
             body = {"__module__": CODE, "__qualname__": name, "__init__": _init, "save_pretrained": _save_pretrained,
                     "__reduce_ex__": _reduce_ex, "is_custom_code": classmethod(_is_custom_code),
+                    "peft_config": peft_config,
                     "_lightning_mrs_own": own,
                     "__doc__": f"``{own.__name__}`` whose norms lightning-mrs swapped."}
             if base is not None and getattr(base, "config_class", None) is not None:
@@ -257,16 +284,16 @@ def rooted(layers: dict[str, LayerRecord], model: nn.Module) -> dict[str, LayerR
 
 
 def plain_config(config: Any) -> Any:
-    """``config`` as its family's class, without the record and the ``auto_map`` (a copy; ``config``
-    itself when it is not a ``LightningMRS<BaseConfig>``)."""
+    """``config`` as its family's class, without the record, the ``auto_map`` and the guard
+    (:mod:`~lightning_mrs.swap.hf_guard`): a copy; ``config`` itself when it holds none of them."""
     base = config_base(type(config))
-    if base is type(config):
+    if base is type(config) and RECORD_KEY not in vars(config) and not guarded(config):
         return config
     config = copy.deepcopy(config)
     config.__class__ = base
     for key in (RECORD_KEY, "auto_map", "model_type"):  # a loaded config.json's model_type: lightning_mrs_<family>
         vars(config).pop(key, None)
-    return config
+    return unguarded(config)
 
 
 def _init(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:

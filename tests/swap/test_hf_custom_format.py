@@ -4,8 +4,9 @@ behaves as transformers does for the unswapped model (issue 54 §1, cases 1-4):
 1. a model built from a swapped model's config is plain and saves as plain;
 2. a user's subclass of a head class comes back as that head (or the loader asks for ``auto_class=``);
 3. a causal LM's swapped directory loads as any head of its family, with the unswapped load report;
-4. ``config.json`` holds no value that is not what its key means, the saved code imports one public
-   entry point, and a newer record format is refused naming the release it needs.
+4. ``config.json`` holds the record and the guard that refuses the family's own class (issue 61;
+   ``tests/swap/test_hf_exits.py``), the saved code imports one public entry point, and a newer
+   record format is refused naming the release it needs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import lightning_mrs
 from helpers.hf import tiny_causal_lm, tiny_config, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms
+from lightning_mrs.swap.hf_guard import guard_text
 
 
 @pytest.fixture(autouse=True)
@@ -136,12 +138,12 @@ def test_a_base_model_directory_loads_as_a_causal_lm(tmp_path):
         assert torch.equal(_hidden(again, token_batch()), base(token_batch()).last_hidden_state)
 
 
-def test_config_json_holds_no_guard_and_the_code_imports_one_public_entry_point(tmp_path):
+def test_config_json_holds_the_guard_and_the_code_imports_one_public_entry_point(tmp_path):
     model = tiny_causal_lm("llama")
     swap_norms(model, "layer", qk_norm="mrs")
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert "attn_implementation" not in saved and "experts_implementation" not in saved
+    assert saved["attn_implementation"] == saved["experts_implementation"] == guard_text(2)
     assert saved["model_type"] == "lightning_mrs_llama" and saved["lightning_mrs"]["format"] == 2
     tree = ast.parse((tmp_path / "modeling_lightning_mrs.py").read_text())
     imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
@@ -172,7 +174,8 @@ def test_saved_code_of_a_newer_format_is_refused_by_the_installed_entry_point(tm
     path = _saved(tmp_path)
     code = path / "modeling_lightning_mrs.py"
     code.write_text(code.read_text().replace("RECORD_FORMAT = 2", "RECORD_FORMAT = 3"))
-    with pytest.raises(ImportError, match=r"written for lightning-mrs record format 3; .* reads format 2: pip install -U"):
+    need = r"written for lightning-mrs record format 3; .* reads format 2 \(written since lightning-mrs 0\.3\.0\): pip install -U"
+    with pytest.raises(ImportError, match=need):
         transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 

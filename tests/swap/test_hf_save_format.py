@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 from helpers.hf import tiny_causal_lm, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms, transformers_class
 from lightning_mrs.swap.hf_format import PREFIX, auto_map
+from lightning_mrs.version import __version__
 
 CASES = [
     ("llama", {}, dict(target="mrs")),
@@ -160,8 +162,10 @@ def test_a_directory_saved_by_0_2_0_is_refused_in_one_line(tmp_path):
     saved.update(model_type="llama", attn_implementation=OLD_GUARD, architectures=["LightningMRSLlamaForCausalLM"])
     saved["lightning_mrs"].update(format=1, version="0.2.0")
     (path / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match=r"^'[^\n]*saved': config.json's lightning_mrs record has format 1 \(lightning-mrs "
-                                         r"0\.2\.0, before the custom-model format\), which this release does not read"):
+    now = re.escape(__version__)
+    with pytest.raises(ValueError, match=rf"^'[^\n]*saved': config.json's lightning_mrs record has format 1, saved by "
+                                         rf"lightning-mrs 0\.2\.0; lightning-mrs {now} reads format 2 \(written since "
+                                         rf"lightning-mrs 0\.3\.0\): load it with lightning-mrs 0\.2\.0, save [^\n]*$"):
         from_pretrained(path)
 
 
