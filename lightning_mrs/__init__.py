@@ -15,6 +15,8 @@ from lightning_mrs.swap import (
     QK_NORMS,
     SWAP_TARGETS,
     AttentionInfo,
+    Derf,
+    Derf2d,
     DyT,
     DyT2d,
     LayerNorm2d,
@@ -37,7 +39,7 @@ from lightning_mrs.version import __version__
 __all__ = [
     "MRSNorm", "MRSNorm2d", "mrs_norm", "mrs_scale",
     "NormSpec", "norm_spec", "iter_norm_layers", "register_norm", "LayerNorm2d", "RMSNorm2d", "OffsetRMSNorm", "NormAct",
-    "DyT", "DyT2d",
+    "DyT", "DyT2d", "Derf", "Derf2d",
     "swap_norms", "SwapOptions", "SwapReport", "SWAP_TARGETS", "from_pretrained", "transformers_class",
     "QK_NORMS", "AttentionInfo", "iter_attention_layers", "expose_attention",
     "phasor_sums", "layer_stats", "aggregate_stats", "weight_grad_stats",

@@ -6,6 +6,7 @@
 ``hf.py``        the transformers norm classes whose formula is known (the probe must agree)
 ``layers.py``    layers the swap builds besides MRSNorm (LayerNorm2d, RMSNorm2d, OffsetRMSNorm, NormAct)
 ``dyt.py``       DyT/DyT2d, Dynamic Tanh: the norm-free baseline (``target="dyt"``)
+``derf.py``      Derf/Derf2d, Dynamic erf: DyT with erf and a learnable shift (``target="derf"``)
 ``build.py``     one replacement from one old norm: the class and the weights
 ``options.py``   ``SwapOptions``, shared by ``swap_norms`` and the ``NormSwap`` callback
 ``report.py``    ``SwapReport``: what a swap did
@@ -26,6 +27,7 @@ transformers model) and ``qk_hooks.py`` applies the QK-norms to the projections'
 
 from lightning_mrs.swap.attention import AttentionInfo, expose_attention, iter_attention_layers, register_attention
 from lightning_mrs.swap.api import swap_norms
+from lightning_mrs.swap.derf import Derf, Derf2d
 from lightning_mrs.swap.dyt import DyT, DyT2d
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.options import QK_NORMS, SWAP_TARGETS, Selector, SwapOptions
@@ -33,7 +35,7 @@ from lightning_mrs.swap.registry import NORM_KINDS, NormSpec, iter_norm_layers, 
 from lightning_mrs.swap.report import SwapReport
 
 __all__ = [
-    "DyT", "DyT2d", "LayerNorm2d", "NORM_KINDS", "NormAct", "NormSpec", "OffsetRMSNorm", "RMSNorm2d", "SWAP_TARGETS", "Selector",
+    "Derf", "Derf2d", "DyT", "DyT2d", "LayerNorm2d", "NORM_KINDS", "NormAct", "NormSpec", "OffsetRMSNorm", "RMSNorm2d", "SWAP_TARGETS", "Selector",
     "SwapOptions", "SwapReport", "iter_norm_layers", "norm_spec", "register_norm", "swap_norms",
     "QK_NORMS", "AttentionInfo", "expose_attention", "iter_attention_layers", "register_attention",
 ]

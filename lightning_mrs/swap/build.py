@@ -6,13 +6,14 @@ Used by :func:`lightning_mrs.swap_norms`; see :class:`lightning_mrs.swap.SwapOpt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
-from lightning_mrs.swap.dyt import DEFAULT_ALPHA0, DyT, DyT2d
+from lightning_mrs.swap.derf import Derf, Derf2d
+from lightning_mrs.swap.dyt import DyT, DyT2d
 from lightning_mrs.swap.half import MRSNormHalf, MRSNormHalfSafe, RMSNormHalf, RMSNormHalfSafe
 from lightning_mrs.swap.layers import LayerNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d
 from lightning_mrs.swap.registry import NormSpec
@@ -23,6 +24,8 @@ _PER_SAMPLE_KINDS = ("batch", "group", "instance")  # spatial="auto" -> one stat
 #: the experimental targets computed in the input's dtype (squares formed; "-safe": no intermediate overflow)
 _HALF = {"rms-half": RMSNormHalf, "mrs-half": MRSNormHalf, "rms-half-safe": RMSNormHalfSafe,
          "mrs-half-safe": MRSNormHalfSafe}
+#: the norm-free point-wise targets: (channels-last, channels-first) class
+_POINTWISE = {"dyt": (DyT, DyT2d), "derf": (Derf, Derf2d)}
 #: the eps of a new norm whose source has none (an added QK-norm, a norm without ``eps``)
 DEFAULT_EPS = 1e-6
 
@@ -56,19 +59,20 @@ def _auto_spatial(spec: NormSpec) -> bool:
 
 
 def plan_replacement(module: nn.Module, spec: NormSpec, target: str, spatial: object,
-                     alpha0: float = DEFAULT_ALPHA0) -> Union[Plan, str, None]:
+                     scalars: Optional[Mapping[str, float]] = None) -> Union[Plan, str, None]:
     """The replacement of ``module`` for ``target``, ``None`` when it already is one, or why it cannot be.
 
-    ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only); ``alpha0`` is the
-    initial alpha of a DyT (``target="dyt"``).
+    ``spatial`` is ``"auto"``, ``True`` or ``False`` (channels-first sources only); ``scalars`` the initial
+    scalars of a DyT or Derf (``{"alpha0": ..., "shift0": ...}``, each the class's default where absent).
     """
-    if target == "dyt":  # element-wise: per sample or per position is moot; a bias where the source has one
-        if spec.kind == "dyt":
+    if target in _POINTWISE:  # element-wise: per sample or per position is moot; a bias where the source has one
+        if spec.kind == target:
             return None
-        cls = DyT if spec.channel_dim == -1 else DyT2d
+        cls = _POINTWISE[target][spec.channel_dim != -1]
         bias = _tensor(module, "bias") is not None or (spec.formula is not None and spec.formula.bias)
-        return Plan(f"{cls.__name__}(alpha0={alpha0:g})",
-                    lambda c, e, a, dd: cls(c, e, a, bias=bias, alpha0=alpha0, **dd))
+        initial = {**cls.DEFAULTS, **(scalars or {})}
+        label = ", ".join(f"{k}={v:g}" for k, v in initial.items())
+        return Plan(f"{cls.__name__}({label})", lambda c, e, a, dd: cls(c, e, a, bias=bias, **initial, **dd))
     if target in _HALF:  # experimental baselines (lightning_mrs.swap.half): channels-last sources only
         if spec.channel_dim != -1:
             return (f"target={target!r} is an experimental channels-last baseline; this norm is channels-first "

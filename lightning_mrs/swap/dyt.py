@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from lightning_mrs.ops.validation import compute_dtype, positive_number
 
-__all__ = ["DEFAULT_ALPHA0", "DyT", "DyT2d", "LLAMA_ALPHA0", "dyt"]
+__all__ = ["DEFAULT_ALPHA0", "DyT", "DyT2d", "LLAMA_ALPHA0", "PointwiseNorm", "apply_affine", "check_input", "dyt"]
 
 #: the paper's default initial ``alpha`` (``alpha_init_value=0.5`` in the official ``dynamic_tanh.py``)
 DEFAULT_ALPHA0 = 0.5
@@ -52,6 +52,17 @@ DEFAULT_ALPHA0 = 0.5
 #: norm), by model: the official ``other_tasks/LLaMA/README.md`` (``--attn_alpha_init_value``,
 #: ``--ffn_alpha_init_value``, ``--dec_alpha_init_value``); widths 4096, 5120, 8192, 8192
 LLAMA_ALPHA0 = {"7b": (0.8, 0.2), "13b": (0.6, 0.15), "34b": (0.2, 0.05), "70b": (0.2, 0.05)}
+
+
+def apply_affine(y: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], channel_dim: int) -> Tensor:
+    """``y * weight + bias`` with ``weight``/``bias`` ``(C,)`` per channel along ``channel_dim`` (``-1`` or ``1``),
+    in ``y``'s dtype: the tail every point-wise norm here shares (DyT, :mod:`lightning_mrs.swap.derf`)."""
+    shape = [-1] + [1] * (y.ndim - 2) if channel_dim == 1 else [-1]  # (C, 1, ..., 1) or (C,)
+    if weight is not None:
+        y = y * weight.to(y.dtype).view(shape)
+    if bias is not None:
+        y = y + bias.to(y.dtype).view(shape)
+    return y
 
 
 @torch.fx.wrap
@@ -73,23 +84,19 @@ def dyt(x: Tensor, alpha: Tensor, weight: Optional[Tensor] = None, bias: Optiona
                 [2., 2., 2.]])
     """
     cd = compute_dtype(x.dtype)
-    y = torch.tanh(alpha.to(cd) * x.to(cd))
-    shape = [-1] + [1] * (x.ndim - 2) if channel_dim == 1 else [-1]  # (C, 1, ..., 1) or (C,)
-    if weight is not None:
-        y = y * weight.to(cd).view(shape)
-    if bias is not None:
-        y = y + bias.to(cd).view(shape)
-    return y.to(x.dtype)
+    return apply_affine(torch.tanh(alpha.to(cd) * x.to(cd)), weight, bias, channel_dim).to(x.dtype)
 
 
-def _check(x: Tensor, channel_dim: int, num_channels: int, name: str) -> None:
-    """``x`` is a floating input with ``num_channels`` channels on ``channel_dim``, or an error naming the layer."""
+def check_input(x: Tensor, channel_dim: int, num_channels: int, name: str) -> None:
+    """``x`` is a floating input with ``num_channels`` channels on ``channel_dim``, or an error naming the layer
+    (``name``: its class, ``<Name>`` channels-last and ``<Name>2d`` channels-first)."""
     if channel_dim == -1 and (x.ndim == 0 or x.shape[-1] != num_channels):
         raise ValueError(f"{name}({num_channels}): expected the last dim to hold {num_channels} channels, got input "
-                         f"of shape {tuple(x.shape)}. DyT is channels-last; use DyT2d for (N, C, *spatial) tensors.")
+                         f"of shape {tuple(x.shape)}. {name} is channels-last; use {name}2d for (N, C, *spatial) "
+                         "tensors.")
     if channel_dim == 1 and (x.ndim < 2 or x.shape[1] != num_channels):
         raise ValueError(f"{name}({num_channels}): expected (N, {num_channels}, *spatial), got shape {tuple(x.shape)}. "
-                         "DyT2d is channels-first; use DyT for (..., C) tensors.")
+                         f"{name} is channels-first; use {name.removesuffix('2d')} for (..., C) tensors.")
     if not x.is_floating_point():
         raise TypeError(f"{name}({num_channels}): expected a floating-point input, got {x.dtype}.")
 
@@ -99,11 +106,61 @@ def _dyt_layer(x: Tensor, alpha: Tensor, weight: Optional[Tensor], bias: Optiona
                num_channels: int, name: str) -> Tensor:
     """The modules' forward: one ``torch.fx`` node; scriptable (without the check, as ``layers.py``'s)."""
     if not torch.jit.is_scripting():
-        _check(x, channel_dim, num_channels, name)
+        check_input(x, channel_dim, num_channels, name)
     return dyt(x, alpha, weight, bias, channel_dim)
 
 
-class DyT(nn.Module):
+class PointwiseNorm(nn.Module):
+    """What DyT and Derf share as drop-ins for a norm: ``C`` first, ``eps`` accepted and unused, the per-channel
+    affine (``affine``, ``bias``), learnable scalars (``alpha`` and any the subclass names) with their initial
+    values, ``device``/``dtype``, ``reset_parameters`` and ``extra_repr``. A subclass defines ``forward``.
+
+    Args:
+        num_channels: ``C``.
+        affine: a per-channel ``weight`` (ones) and, with ``bias``, a ``bias`` (zeros).
+        bias: a bias besides the weight.
+        alpha0: the initial ``alpha`` (a finite float > 0).
+        scalars: the subclass's other learnable scalars: name -> initial value (checked by the subclass),
+            each a one-element parameter ``name`` and an attribute ``<name>0``.
+    """
+
+    _CHANNEL_DIM = -1  # the 2d subclass: 1
+
+    def __init__(self, num_channels: int, affine: bool, bias: bool, alpha0: float,
+                 device: Optional[torch.device | str], dtype: Optional[torch.dtype], **scalars: float) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
+            raise ValueError(f"{name}: num_channels must be a positive int, got {num_channels!r}.")
+        if not positive_number(alpha0):
+            raise ValueError(f"{name}({num_channels}): alpha0 must be a finite float > 0, got {alpha0!r}.")
+        self.num_channels = num_channels
+        self.channel_dim = self._CHANNEL_DIM
+        self.affine = affine
+        self._name = name  # names the layer in error messages
+        self._initial = {"alpha": float(alpha0), **{k: float(v) for k, v in scalars.items()}}
+        dd = {"device": device, "dtype": dtype}
+        for scalar, value in self._initial.items():
+            setattr(self, f"{scalar}0", value)
+            setattr(self, scalar, nn.Parameter(torch.empty(1, **dd)))
+        self.weight = nn.Parameter(torch.empty(num_channels, **dd)) if affine else None
+        self.bias = nn.Parameter(torch.empty(num_channels, **dd)) if affine and bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for scalar, value in self._initial.items():
+            nn.init.constant_(getattr(self, scalar), value)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        initial = ", ".join(f"{scalar}0={value:g}" for scalar, value in self._initial.items())
+        return f"{self.num_channels}, affine={self.affine}, bias={self.bias is not None}, {initial}"
+
+
+class DyT(PointwiseNorm):
     """Dynamic Tanh over a channels-last input ``(..., C)``: ``w * tanh(alpha * x) + b``.
 
     Args:
@@ -120,40 +177,16 @@ class DyT(nn.Module):
         DyT(6, affine=True, bias=False, alpha0=0.8)
     """
 
-    _CHANNEL_DIM = -1  # DyT2d: 1
+    #: the constructor's defaults of the initial scalars (a swap's report names them)
+    DEFAULTS = {"alpha0": DEFAULT_ALPHA0}
 
     def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, bias: bool = True,
                  alpha0: float = DEFAULT_ALPHA0, device: Optional[torch.device | str] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__()
-        name = type(self).__name__
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels < 1:
-            raise ValueError(f"{name}: num_channels must be a positive int, got {num_channels!r}.")
-        if not positive_number(alpha0):
-            raise ValueError(f"{name}({num_channels}): alpha0 must be a finite float > 0, got {alpha0!r}.")
-        self.num_channels = num_channels
-        self.channel_dim = self._CHANNEL_DIM
-        self.affine = affine
-        self._name = name  # names the layer in error messages
-        self.alpha0 = float(alpha0)
-        dd = {"device": device, "dtype": dtype}
-        self.alpha = nn.Parameter(torch.empty(1, **dd))
-        self.weight = nn.Parameter(torch.empty(num_channels, **dd)) if affine else None
-        self.bias = nn.Parameter(torch.empty(num_channels, **dd)) if affine and bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.constant_(self.alpha, self.alpha0)
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        super().__init__(num_channels, affine, bias, alpha0, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return _dyt_layer(x, self.alpha, self.weight, self.bias, self.channel_dim, self.num_channels, self._name)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_channels}, affine={self.affine}, bias={self.bias is not None}, alpha0={self.alpha0:g}"
 
 
 class DyT2d(DyT):

@@ -21,7 +21,7 @@ from lightning_mrs.swap.options import SwapOptions, check_model
 from lightning_mrs.swap.registry import NormSpec, norm_spec
 from lightning_mrs.swap.report import SwapReport, by_reason, check_report
 from lightning_mrs.swap.rewire import rewire
-from lightning_mrs.swap.selectors import alpha0_of, check_selectors, deselected
+from lightning_mrs.swap.selectors import check_selectors, deselected, initial_scalars
 
 __all__ = ["swap_norms"]
 
@@ -129,7 +129,7 @@ def swap_norms(model: nn.Module, target: Union[str, SwapOptions, None] = "mrs", 
                  "them; swap before dispatch_model / device_map, e.g. lightning_mrs.from_pretrained(path, "
                  "device_map=...)")
             continue
-        plan = plan_replacement(module, spec, kind, spatial, alpha0_of(opts, module, all_names))
+        plan = plan_replacement(module, spec, kind, spatial, initial_scalars(opts, module, all_names))
         if isinstance(plan, str):  # this target cannot replace this norm (an experimental half target)
             skip(plan)
             continue

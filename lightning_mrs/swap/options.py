@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections import abc
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -13,24 +14,35 @@ from torch import nn
 
 from lightning_mrs.ops.validation import positive_number
 
-__all__ = ["Alpha0", "HALF_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
+__all__ = ["Alpha0", "HALF_TARGETS", "POINTWISE_TARGETS", "QK_NORMS", "SWAP_TARGETS", "Selector", "SwapOptions", "check_bool", "check_model"]
 
 #: experimental baselines computed in the input's dtype (lightning_mrs.swap.half): squares formed (overflow in
 #: float16 from |x| = 256) and "-safe" (no intermediate overflow)
 HALF_TARGETS = ("rms-half", "mrs-half", "rms-half-safe", "mrs-half-safe")
+#: the norm-free point-wise baselines: DyT (Dynamic Tanh, :mod:`lightning_mrs.swap.dyt`) and Derf (Dynamic erf,
+#: :mod:`lightning_mrs.swap.derf`); their initial scalars are options (``alpha0``; Derf's ``shift0``)
+POINTWISE_TARGETS = ("dyt", "derf")
 #: the values of ``target`` (``SwapOptions.target``, besides ``None``: keep the body's norms):
-#: MRSNorm, the RMSNorm and LayerNorm baselines, the experimental half-precision ones, and DyT (Dynamic Tanh,
-#: the norm-free baseline of :mod:`lightning_mrs.swap.dyt`).
-SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS, "dyt")
+#: MRSNorm, the RMSNorm and LayerNorm baselines, the experimental half-precision ones, and the norm-free ones.
+SWAP_TARGETS = ("mrs", "rms", "layer", *HALF_TARGETS, *POINTWISE_TARGETS)
 _QK_KINDS = ("mrs", "rms", "layer")
 #: the values of ``SwapOptions.qk_norm``: None (QK-norms that exist follow ``target``), True
 #: (QK-norms of the target's kind everywhere), a kind (QK-norms of that kind), False (leave them).
 QK_NORMS = (None, True, False, *_QK_KINDS)
 _INITS = ("inherit", "ones", "calibrate")
 _SPATIAL = ("auto", True, False)
-#: what ``alpha0`` takes: DyT's initial alpha for every layer, or dotted-name patterns -> alpha (the first
-#: pattern that picks a layer gives its value), or None (the paper's default, 0.5)
+#: what ``alpha0`` (and ``shift0``) take: DyT's or Derf's initial alpha for every layer, or dotted-name patterns ->
+#: alpha (the first pattern that picks a layer gives its value), or None (the paper's default, 0.5)
 Alpha0 = Union[float, Mapping[str, float], Iterable[tuple[str, float]], None]
+#: the per-layer initial scalars: option -> (the targets that take it, what it is, its check, the check in words,
+#: an example mapping)
+INITIAL_SCALARS = {
+    "alpha0": (POINTWISE_TARGETS, "the initial alpha of DyT and Derf layers",
+               positive_number, "a finite float > 0", "{'*.input_layernorm': 0.8, '*': 0.2}"),
+    "shift0": (("derf",), "the initial shift of Derf layers",
+               lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v),
+               "a finite float", "{'*.input_layernorm': 0.1, '*': 0.0}"),
+}
 #: what ``include``/``exclude`` take: a name pattern, a class, a list of both, or None
 #: (docs/swap.md#include-and-exclude-patterns).
 Selector = Union[str, type, Iterable[Union[str, type]], None]
@@ -93,25 +105,27 @@ def _selectors(value: Selector, option: str) -> tuple[Union[str, type], ...]:
     return items
 
 
-def _alpha0(value: Alpha0, target: Optional[str]) -> Union[float, tuple[tuple[str, float], ...], None]:
-    """``alpha0`` checked: ``None``, a float, or a tuple of ``(pattern, value)`` pairs."""
+def _initial_scalar(option: str, value: Alpha0, target: Optional[str]) -> Union[float, tuple[tuple[str, float], ...], None]:
+    """``alpha0``/``shift0`` (:data:`INITIAL_SCALARS`) checked: ``None``, a float, or a tuple of ``(pattern, value)``
+    pairs."""
     if value is None:
         return None
-    if target != "dyt":
-        raise ValueError(f"SwapOptions: alpha0={value!r} is the initial alpha of DyT layers, but target={target!r}; "
-                         "use target='dyt', or drop alpha0.")
-    if positive_number(value):
+    targets, what, valid, words, example = INITIAL_SCALARS[option]
+    if target not in targets:
+        ask = " or ".join(f"target={t!r}" for t in targets)
+        raise ValueError(f"SwapOptions: {option}={value!r} is {what}, but target={target!r}; use {ask}, or drop {option}.")
+    if valid(value):
         return float(value)
-    fix = "pass a finite float > 0, or a mapping of dotted-name patterns to such floats, e.g. {'*.input_layernorm': 0.8, '*': 0.2}"
+    fix = f"pass {words}, or a mapping of dotted-name patterns to such floats, e.g. {example}"
     if isinstance(value, (str, bytes)) or not isinstance(value, abc.Iterable):
-        raise ValueError(f"SwapOptions: alpha0={value!r} is not valid; {fix}.")
+        raise ValueError(f"SwapOptions: {option}={value!r} is not valid; {fix}.")
     pairs = tuple(value.items()) if isinstance(value, abc.Mapping) else tuple(value)
     for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and positive_number(pair[1])):
-            raise ValueError(f"SwapOptions: alpha0 entry {pair!r} is not valid; {fix}.")
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and valid(pair[1])):
+            raise ValueError(f"SwapOptions: {option} entry {pair!r} is not valid; {fix}.")
     if not pairs:
-        raise ValueError(f"SwapOptions: alpha0={value!r} is empty; {fix}.")
-    return tuple((pattern, float(alpha)) for pattern, alpha in pairs)
+        raise ValueError(f"SwapOptions: {option}={value!r} is empty; {fix}.")
+    return tuple((pattern, float(v)) for pattern, v in pairs)
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,8 @@ class SwapOptions:
             formed (the paper's half-precision setting), ``"rms-half-safe"``/``"mrs-half-safe"`` in the
             input's dtype without intermediate overflow (:mod:`lightning_mrs.swap.half`; channels-last
             norms only). ``"dyt"``: Dynamic Tanh, ``w * tanh(alpha * x) + b`` (``DyT`` channels-last,
-            ``DyT2d`` channels-first; :mod:`lightning_mrs.swap.dyt`), the norm-free baseline.
+            ``DyT2d`` channels-first; :mod:`lightning_mrs.swap.dyt`), the norm-free baseline; ``"derf"``:
+            Dynamic erf, ``w * erf(alpha * x + s) + b`` (``Derf``/``Derf2d``; :mod:`lightning_mrs.swap.derf`).
         qk_norm: the per-head norm on the queries and keys of attention layers (QK-norm;
             see :mod:`lightning_mrs.swap.attention`). ``None`` (default): a QK-norm the model
             already has is a norm like any other and follows ``target``; none is added.
@@ -153,12 +168,14 @@ class SwapOptions:
             on ``swap_norms(..., calibration=batch)`` so that each new layer's output matches the
             old one (:mod:`lightning_mrs.swap.calibrate`).
         eps: the new layers' eps; ``None`` keeps each old layer's eps.
-        alpha0: ``target="dyt"`` only: the initial ``alpha`` of the new DyT layers. ``None``: the paper's
-            default, 0.5; a float: every layer; a mapping (or pairs) of dotted-name patterns to values,
+        alpha0: ``target="dyt"`` or ``"derf"`` only: the initial ``alpha`` of the new DyT (Derf) layers.
+            ``None``: the paper's default, 0.5; a float: every layer; a mapping (or pairs) of dotted-name patterns to values,
             matched as ``include`` matches: each layer takes the value of the first pattern that picks it,
             0.5 where none does, and a pattern that picks no layer raises. The paper's LLaMA 2 7B values
             on a transformers Llama: ``{"*.input_layernorm": 0.8, "*": 0.2}`` (0.8 in front of attention,
             0.2 elsewhere; ``lightning_mrs.swap.dyt.LLAMA_ALPHA0``).
+        shift0: ``target="derf"`` only: the initial shift ``s`` of the new Derf layers. ``None``: the paper's
+            default, 0; a finite float (any sign) or patterns, as ``alpha0``.
         strict: raise, listing every layer concerned, instead of skipping a norm for any
             reason other than ``include``/``exclude``.
 
@@ -178,6 +195,7 @@ class SwapOptions:
     strict: bool = False
     qk_norm: Union[bool, str, None] = None
     alpha0: Alpha0 = None
+    shift0: Alpha0 = None
 
     def __new__(cls, *args: Any, **options: Any) -> "SwapOptions":
         _check_names("SwapOptions", options)  # before the dataclass __init__'s bare TypeError
@@ -206,7 +224,8 @@ class SwapOptions:
         if eps is not None and not positive_number(eps):
             raise ValueError(f"SwapOptions: eps={eps!r} is not valid; choose None (keep each layer's eps) or a "
                              "finite float > 0.")
-        object.__setattr__(self, "alpha0", _alpha0(self.alpha0, self.target))
+        for option in INITIAL_SCALARS:
+            object.__setattr__(self, option, _initial_scalar(option, getattr(self, option), self.target))
         object.__setattr__(self, "include", _selectors(self.include, "include"))
         object.__setattr__(self, "exclude", _selectors(self.exclude, "exclude"))
 

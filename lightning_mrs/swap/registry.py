@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, Union
 from torch import nn
 
 from lightning_mrs.modules import MRSNorm, MRSNorm2d
+from lightning_mrs.swap.derf import Derf, Derf2d
 from lightning_mrs.swap.dyt import DyT, DyT2d
 from lightning_mrs.swap.half import MRSNormHalf, MRSNormHalfSafe, RMSNormHalf, RMSNormHalfSafe
 from lightning_mrs.swap.hf import known_norm
@@ -62,6 +63,8 @@ NORM_KINDS: dict[str, str] = {
     "mrs-half-safe": "MRSNormHalfSafe (experimental): MRSNormHalf with magnitudes by hypot (no overflow)",
     "dyt": "DyT (Dynamic Tanh, lightning-mrs): element-wise w * tanh(alpha * x) + b, no statistic; DyT is "
            "channels-last, DyT2d channels-first",
+    "derf": "Derf (Dynamic erf, lightning-mrs): element-wise w * erf(alpha * x + s) + b, no statistic; Derf is "
+            "channels-last, Derf2d channels-first",
     "probed": "a class the table does not know (a transformers *RMSNorm...), recognised by running it: RMS or "
               "LayerNorm over the last dim (NormSpec.formula; lightning_mrs.swap.probe)",
 }
@@ -322,3 +325,5 @@ register_norm(RMSNormHalfSafe, "rms-half-safe", -1)
 register_norm(MRSNormHalfSafe, "mrs-half-safe", -1)
 register_norm(DyT, "dyt", -1)
 register_norm(DyT2d, "dyt", 1)
+register_norm(Derf, "derf", -1)
+register_norm(Derf2d, "derf", 1)

@@ -19,10 +19,9 @@ from typing import Iterable, Optional, Union
 
 from torch import nn
 
-from lightning_mrs.swap.dyt import DEFAULT_ALPHA0
-from lightning_mrs.swap.options import SwapOptions
+from lightning_mrs.swap.options import INITIAL_SCALARS, SwapOptions
 
-__all__ = ["alpha0_of", "check_selectors", "deselected", "matches"]
+__all__ = ["check_selectors", "deselected", "initial_scalars", "matches"]
 
 
 def matches(module: nn.Module, names: list[str], selectors: tuple[Union[str, type], ...]) -> Optional[str]:
@@ -48,16 +47,21 @@ def deselected(opts: SwapOptions, module: nn.Module, names: list[str]) -> Option
     return "not matched by include" if opts.include and matches(module, names, opts.include) is None else None
 
 
-def alpha0_of(opts: SwapOptions, module: nn.Module, names: list[str]) -> float:
-    """The initial alpha of the DyT layer that replaces ``module`` (``SwapOptions.alpha0``): the value of
-    the first pattern that picks it, :data:`~lightning_mrs.swap.dyt.DEFAULT_ALPHA0` where none does or
-    ``alpha0`` is None."""
-    if not isinstance(opts.alpha0, tuple):  # None or one float (SwapOptions checked it)
-        return DEFAULT_ALPHA0 if opts.alpha0 is None else opts.alpha0
-    for pattern, alpha in opts.alpha0:
-        if matches(module, names, (pattern,)) is not None:
-            return alpha
-    return DEFAULT_ALPHA0
+def initial_scalars(opts: SwapOptions, module: nn.Module, names: list[str]) -> dict[str, float]:
+    """The initial scalars the options give the layer that replaces ``module`` (``SwapOptions.alpha0`` and
+    ``shift0``): per option set, its value or the value of its first pattern that picks the layer; an option
+    unset, or whose patterns pick nothing here, is left out (the new layer's own default applies)."""
+    found = {}
+    for option in INITIAL_SCALARS:
+        value = getattr(opts, option)
+        if not isinstance(value, tuple):  # None or one float (SwapOptions checked it)
+            if value is not None:
+                found[option] = value
+            continue
+        hit = next((v for pattern, v in value if matches(module, names, (pattern,)) is not None), None)
+        if hit is not None:
+            found[option] = hit
+    return found
 
 
 def _hint(pattern: str, names: list[str]) -> str:
@@ -88,8 +92,8 @@ def check_selectors(owner: str, opts: SwapOptions, model: nn.Module, names: Iter
     names = sorted(set(names))
     types = {type(m) for m in model.modules()}
     problems = []
-    alpha0 = tuple(p for p, _ in opts.alpha0) if isinstance(opts.alpha0, tuple) else ()
-    for option, selectors in (("include", opts.include), ("exclude", opts.exclude), ("alpha0", alpha0)):
+    scalars = [(o, tuple(p for p, _ in getattr(opts, o))) for o in INITIAL_SCALARS if isinstance(getattr(opts, o), tuple)]
+    for option, selectors in (("include", opts.include), ("exclude", opts.exclude), *scalars):
         for sel in selectors:
             if isinstance(sel, type):
                 if not any(issubclass(t, sel) for t in types):

@@ -31,14 +31,14 @@ from torch import nn
 from lightning_mrs.swap.attention_info import is_qk_name
 from lightning_mrs.swap.engine import swap_norms
 from lightning_mrs.swap.layer_record import LayerRecord, differences, format_record, layer_record
-from lightning_mrs.swap.options import HALF_TARGETS, SWAP_TARGETS
+from lightning_mrs.swap.options import HALF_TARGETS, QK_NORMS, SWAP_TARGETS
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers, norm_spec
 
 __all__ = ["LayerRecord", "describe_layers", "differences", "format_record", "is_qk_name", "rebuild", "rebuild_v1"]
 
 #: the swap target that builds a layer of each recorded kind
 _TARGET_OF_KIND = {"mrs": "mrs", "rms": "rms", "rms2d": "rms", "layer": "layer", "layer2d": "layer", "group": "layer",
-                   "dyt": "dyt", **{t: t for t in HALF_TARGETS}}
+                   "dyt": "dyt", "derf": "derf", **{t: t for t in HALF_TARGETS}}
 
 
 def _of_target(module: nn.Module, spec: NormSpec, target: str) -> bool:
@@ -129,7 +129,10 @@ def rebuild(model: nn.Module, target: Optional[str], records: dict[str, LayerRec
             # kind None: the layer's own QK-norm, left as it was (a fresh model has it); a layer this
             # model lacks: another model, which the comparison below reports
             if kind is not None and name.rpartition(".")[0] in modules:
-                qk_groups.setdefault((kind, record["eps"]), []).append(_literal(name))
+                if kind in QK_NORMS:
+                    qk_groups.setdefault((kind, record["eps"]), []).append(_literal(name))
+                else:  # no QK kind (DyT, Derf, a half norm): the model's own QK-norm, swapped as it was, with the body
+                    groups.setdefault((kind, "auto", record["eps"]), []).append(_literal(name))
             continue
         if name not in modules and name.endswith(".norm") and name[: -len(".norm")] in modules:
             name = name[: -len(".norm")]  # the fused norm+act layer this norm came from

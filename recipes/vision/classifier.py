@@ -31,7 +31,7 @@ from recipes.common.training import QK_NORM_CHOICES, check_model_options, check_
 
 __all__ = ["NORMS", "QK_NORM_CHOICES", "RESULT", "ImageClassifier"]
 
-NORMS = ("mrs", "rms", "layer", "batch")
+NORMS = ("mrs", "rms", "layer", "batch", "dyt", "derf")
 #: the result's tag group, ``accuracy/train`` and ``accuracy/val`` (the values of ``train/top1`` and ``val/top1``):
 #: TensorBoard orders its groups by name, so this one comes first (before attention/, phasor/, train/, val/)
 RESULT = "accuracy"
@@ -83,7 +83,7 @@ class ImageClassifier(pl.LightningModule):
     def __init__(
         self,
         arch: str = "resnet18",
-        norm: Literal["mrs", "rms", "layer", "batch"] = "mrs",
+        norm: Literal["mrs", "rms", "layer", "batch", "dyt", "derf"] = "mrs",
         lr: Optional[float] = None,
         momentum: Optional[float] = None,
         nesterov: Optional[bool] = None,

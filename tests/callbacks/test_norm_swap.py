@@ -76,7 +76,7 @@ def test_a_swap_options_object_is_accepted():
 
 
 def test_arguments_are_validated_in_init():
-    with pytest.raises(ValueError, match=r"target='batch' is not valid; choose one of \['mrs', 'rms', 'layer', 'rms-half', 'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt'\]"):
+    with pytest.raises(ValueError, match=r"target='batch' is not valid; choose one of \['mrs', 'rms', 'layer', 'rms-half', 'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt', 'derf'\]"):
         NormSwap("batch")
     with pytest.raises(ValueError, match="init='random' is not valid; choose one of"):
         NormSwap(init="random")
@@ -86,7 +86,7 @@ def test_arguments_are_validated_in_init():
         NormSwap(exclude=[1.5])
     with pytest.raises(TypeError, match=re.escape(
             "NormSwap: unknown option(s) ['exlude'] (did you mean 'exclude'?); valid options: ['target', 'spatial', "
-            "'include', 'exclude', 'init', 'eps', 'strict', 'qk_norm', 'alpha0'].")):
+            "'include', 'exclude', 'init', 'eps', 'strict', 'qk_norm', 'alpha0', 'shift0'].")):
         NormSwap(exlude="fc")
 
 

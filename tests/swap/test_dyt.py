@@ -238,7 +238,7 @@ def test_alpha0_a_value_or_patterns() -> None:
 
 
 def test_alpha0_errors() -> None:
-    with pytest.raises(ValueError, match=r"alpha0=0.5 is the initial alpha of DyT layers, but target='rms'"):
+    with pytest.raises(ValueError, match=r"alpha0=0.5 is the initial alpha of DyT and Derf layers, but target='rms'; use target='dyt' or target='derf'"):
         SwapOptions("rms", alpha0=0.5)
     for bad in (0, -1.0, math.inf, True, "0.5", {"*": 0}, {}, [("*",)]):
         with pytest.raises(ValueError, match="alpha0"):

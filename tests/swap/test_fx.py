@@ -20,18 +20,19 @@ torchvision = pytest.importorskip("torchvision")
 from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
 from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2  # noqa: E402
 
-from lightning_mrs import DyT, LayerNorm2d, MRSNorm, MRSNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d, swap_norms
+from lightning_mrs import Derf, DyT, LayerNorm2d, MRSNorm, MRSNorm2d, NormAct, OffsetRMSNorm, RMSNorm2d, swap_norms
 from lightning_mrs.modules import _mrs_norm_layer
-from lightning_mrs.swap import attention_torchvision, dyt, layers
+from lightning_mrs.swap import attention_torchvision, derf, dyt, layers
 
 timm = pytest.importorskip("timm")
 ta = pytest.importorskip("timm.layers.norm_act")
 tn = pytest.importorskip("timm.layers.norm")
 
-TARGETS = ("mrs", "rms", "layer", pytest.param("dyt", marks=pytest.mark.slow))  # dyt: +16 s of CPU
+TARGETS = ("mrs", "rms", "layer", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dyt", "derf")))  # +16 s each
 #: the fx-wrapped forwards: each norm of ours is exactly one call_function node of these
-WRAPPED = {_mrs_norm_layer, layers._layer_norm_2d, layers._rms_norm_2d, layers._offset_rms_norm, dyt._dyt_layer}
-OURS = (MRSNorm, MRSNorm2d, LayerNorm2d, RMSNorm2d, OffsetRMSNorm, DyT)
+WRAPPED = {_mrs_norm_layer, layers._layer_norm_2d, layers._rms_norm_2d, layers._offset_rms_norm, dyt._dyt_layer,
+           derf._derf_layer}
+OURS = (MRSNorm, MRSNorm2d, LayerNorm2d, RMSNorm2d, OffsetRMSNorm, DyT, Derf)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 
@@ -79,7 +80,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], dict]] = {
 
 def _swapped(name: str, target: str) -> tuple[nn.Module, Tensor]:
     make, shape, options = MODELS[name]
-    if target == "dyt":  # QK-norms of DyT are not added (qk_norm=True asks for the target's kind); those there follow
+    if target in ("dyt", "derf"):  # QK-norms of DyT/Derf are not added (qk_norm=True asks for the target's kind); those there follow
         options = {k: v for k, v in options.items() if k != "qk_norm"}
     torch.manual_seed(0)
     model = make()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from helpers.hf import FAMILIES, LAYERNORM_FAMILIES, NORMS, tiny_causal_lm, token_batch
-from lightning_mrs import DyT, MRSNorm, OffsetRMSNorm, iter_norm_layers, norm_spec, swap_norms
+from lightning_mrs import Derf, DyT, MRSNorm, OffsetRMSNorm, iter_norm_layers, norm_spec, swap_norms
 
 ALL = {**NORMS, **LAYERNORM_FAMILIES}
 
@@ -50,7 +50,7 @@ def test_the_own_kind_reproduces_the_logits(family):
         torch.testing.assert_close(model(tokens).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("target", ["mrs", "rms", "layer", "dyt"])
+@pytest.mark.parametrize("target", ["mrs", "rms", "layer", "dyt", "derf"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_target_trains_and_the_report_lists_every_layer(family, target):
     model, tokens = tiny_causal_lm(family), token_batch()
@@ -60,7 +60,8 @@ def test_every_target_trains_and_the_report_lists_every_layer(family, target):
     assert listed == norms and not report.skipped
     assert set(report.probed) == ({n for n in report.converted} if NORMS[family] != "torch" else set())
     offset = NORMS[family].endswith("(1 + w)")  # Gemma: an rms swap keeps its checkpoint convention
-    kind = {"mrs": MRSNorm, "rms": OffsetRMSNorm if offset else nn.RMSNorm, "layer": nn.LayerNorm, "dyt": DyT}[target]
+    kind = {"mrs": MRSNorm, "rms": OffsetRMSNorm if offset else nn.RMSNorm, "layer": nn.LayerNorm, "dyt": DyT,
+            "derf": Derf}[target]
     modules = dict(model.named_modules())
     assert all(type(modules[n]) is kind for n in norms)
     model.train()
@@ -83,10 +84,12 @@ def test_mrs_weights_are_the_pair_means_of_the_effective_scale(family):
         torch.testing.assert_close(modules[name].weight.detach(), scale.reshape(-1, 2).mean(1))
 
 
+@pytest.mark.parametrize("target,squash", [("dyt", torch.tanh), ("derf", torch.erf)])
 @pytest.mark.parametrize("family", list(ALL))
-def test_dyt_carries_the_effective_scale_and_bias(family):
-    """Every family swapped to DyT: each layer computes ``scale * tanh(0.5 x) + bias`` in float64 with the old
-    layer's effective scale (Gemma's and Nemotron's ``1 + w``, none for OLMo's weightless LayerNorm) and bias."""
+def test_dyt_carries_the_effective_scale_and_bias(family, target, squash):
+    """Every family swapped to DyT (Derf): each layer computes ``scale * tanh(0.5 x) + bias`` (``erf(0.5 x + 0)``)
+    in float64 with the old layer's effective scale (Gemma's and Nemotron's ``1 + w``, none for OLMo's weightless
+    LayerNorm) and bias."""
     model = tiny_causal_lm(family).double()
     with torch.no_grad():
         for p in model.parameters():
@@ -97,11 +100,11 @@ def test_dyt_carries_the_effective_scale_and_bias(family):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         scale = spec.formula.scale(weight) if spec.formula is not None else weight  # nn.LayerNorm: weight
         old[name] = (None if scale is None else scale.detach().clone(), None if bias is None else bias.detach().clone())
-    swap_norms(model, "dyt")
+    swap_norms(model, target)
     modules = dict(model.named_modules())
     for name, (scale, bias) in old.items():
         x = 3 * torch.randn(2, 5, modules[name].num_channels, dtype=torch.float64)  # QK-norms: a head's width
-        expected = torch.tanh(0.5 * x)
+        expected = squash(0.5 * x)
         expected = expected if scale is None else expected * scale
         expected = expected if bias is None else expected + bias
         torch.testing.assert_close(modules[name](x), expected, atol=1e-12, rtol=1e-12, msg=name)

@@ -22,7 +22,7 @@ def _net() -> nn.Sequential:
     "kwargs,message",
     [
         (dict(target="batch"), "target='batch' is not valid; choose one of ['mrs', 'rms', 'layer', 'rms-half', "
-                               "'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt'], or None to keep "
+                               "'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt', 'derf'], or None to keep "
                                "the body's norms."),
         (dict(target=None, qk_norm=True), "qk_norm=True asks for QK-norms of the target's kind, but target=None; name "
                                           "the kind instead, e.g. qk_norm='mrs'"),

@@ -148,7 +148,7 @@ def test_iter_norm_layers_names_each_shared_instance_once():
 # ------------------------------------------------------------ who writes the registry
 PACKAGE_DIRS = ("lightning_mrs", "callbacks", "recipes")
 OWN_LAYERS = {"MRSNorm", "MRSNorm2d", "LayerNorm2d", "RMSNorm2d", "OffsetRMSNorm", "RMSNormHalf", "MRSNormHalf",
-              "RMSNormHalfSafe", "MRSNormHalfSafe", "DyT", "DyT2d"}
+              "RMSNormHalfSafe", "MRSNormHalfSafe", "DyT", "DyT2d", "Derf", "Derf2d"}
 
 
 def test_the_projects_own_layers_go_through_register_norm():

@@ -61,7 +61,7 @@ def test_describe_layers_lists_layers_that_already_were_of_the_target_kind():
     # LayerNorm is no swap target (unsupported)
     model = nn.Sequential(nn.GroupNorm(1, 4), nn.GroupNorm(2, 4), nn.LayerNorm([2, 4]), nn.LayerNorm(4))
     assert describe_layers(model, "layer") == {"0": rec("group", 1, True, 1e-5), "3": rec("layer", -1, None, 1e-5)}
-    valid = r"\['mrs', 'rms', 'layer', 'rms-half', 'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt'\]"
+    valid = r"\['mrs', 'rms', 'layer', 'rms-half', 'mrs-half', 'rms-half-safe', 'mrs-half-safe', 'dyt', 'derf'\]"
     with pytest.raises(ValueError, match=rf"target='batch' is not valid; choose one of {valid}"):
         describe_layers(model, "batch")
 

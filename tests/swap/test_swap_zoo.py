@@ -56,7 +56,7 @@ def _first(out):
 
 
 #: the layers a swap to these targets builds: their weights must get gradients
-NEW = {"mrs": ("MRSNorm", "MRSNorm2d"), "dyt": ("DyT", "DyT2d")}
+NEW = {"mrs": ("MRSNorm", "MRSNorm2d"), "dyt": ("DyT", "DyT2d"), "derf": ("Derf", "Derf2d")}
 
 
 def check_zoo_model(model: nn.Module, size: int, target: str = "mrs", eager: bool = True) -> None:
@@ -71,7 +71,7 @@ def check_zoo_model(model: nn.Module, size: int, target: str = "mrs", eager: boo
         shape = _first(model(x)).shape
     report = swap_norms(model, target)
     left = foreign_norms(model) - set(report.skipped)
-    if target in ("mrs", "dyt"):  # nothing of torch/timm/torchvision is left (a "layer" swap keeps GroupNorm(1))
+    if target in ("mrs", "dyt", "derf"):  # nothing of torch/timm/torchvision is left (a "layer" swap keeps GroupNorm(1))
         assert not left, f"unconverted norms not in report.skipped: {sorted(left)[:5]}"
     if eager:
         for module in model.modules():
@@ -146,14 +146,16 @@ DYT_ZOO = [("tv", n, {}, s) for n, s in TV_DEFAULT] + [("timm", n, k, s) for n, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["dyt", "derf"])
 @pytest.mark.parametrize("lib,name,kwargs,size", DYT_ZOO, ids=[f"{lib}-{n}-{'-'.join(k)}" for lib, n, k, _ in DYT_ZOO])
-def test_dyt_over_the_default_zoo(lib, name, kwargs, size):
-    """Every model of the default subsets swapped to DyT: nothing left but what the report skips (EvoNorm...)."""
+def test_dyt_over_the_default_zoo(lib, name, kwargs, size, target):
+    """Every model of the default subsets swapped to DyT and to Derf: nothing left but what the report skips
+    (EvoNorm...)."""
     if lib == "tv":
         model = torchvision.models.get_model(name, weights=None, num_classes=10)
     else:
         model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
-    check_zoo_model(model, size, "dyt")
+    check_zoo_model(model, size, target)
 
 
 def test_default_backend_in_the_zoo():

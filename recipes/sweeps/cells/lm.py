@@ -61,7 +61,7 @@ from recipes.sweeps.series import thin
 from recipes.text.data import TextDataModule
 
 #: the arms' norms swapped in after the model is built with its own (not a --model.norm of the LM recipe)
-SWAPPED = (*HALF_NORMS, "dyt")
+SWAPPED = (*HALF_NORMS, "dyt", "derf")  # derf: the official alpha0 0.5, shift0 0
 
 #: DyT's initial alpha on the LM's Llama: the paper's LLaMA values for its narrowest LLM (7B: 0.8 in front of
 #: attention, 0.2 elsewhere; lightning_mrs.swap.dyt.LLAMA_ALPHA0), the paper's initialisation for LLMs

@@ -30,9 +30,12 @@ NAIVE_HALF, SAFE_HALF = ("rms-half", "mrs-half"), ("rms-half-safe", "mrs-half-sa
 HALF_NORMS = (*NAIVE_HALF, *SAFE_HALF)
 NORMS = ("rms", "mrs", "layer", *HALF_NORMS)
 #: the output-scale controls of the safe pair (recipes/sweeps/output_scale.py: gains started at the other formula's
-#: output scale) and Dynamic Tanh (Zhu et al. 2025, the swap target ``dyt``): arms of P1t's rerun (issue 56)
+#: output scale) and Dynamic Tanh (Zhu et al. 2025, the swap target ``dyt``): arms of P1t's rerun (issue 56); Dynamic
+#: erf (Chen et al., arXiv:2512.10938, ``derf``) beside DyT (issue 64)
 SCALE_CONTROLS = ("rms-half-safe-as-mrs", "mrs-half-safe-as-rms")
-EXTRA_NORMS = (*SCALE_CONTROLS, "dyt")
+EXTRA_NORMS = (*SCALE_CONTROLS, "dyt", "derf")
+#: the norm-free arms of issue 64's comparison (docs/results.md), at the sweep's standard bf16 beside rms/mrs/layer
+POINTWISE_NORMS = ("dyt", "derf")
 #: an arm's precision -> its name in results.csv: Lightning's (fp16: with a loss scaler, also on the CPU; fp16-true:
 #: the model in float16); fp16-master: 16-true with float32 master weights and AdamW state
 #: (recipes/sweeps/cells/master_weights.py)

@@ -10,6 +10,7 @@ from recipes.sweeps.kind import Sweep
 from recipes.sweeps.kinds.lm import LM
 from recipes.sweeps.kinds.lm_qk import LM_QK
 from recipes.sweeps.kinds.norm import NORM
+from recipes.sweeps.kinds.norm_vit import NORM_VIT
 from recipes.sweeps.kinds.qk import QK
 
 __all__ = ["DEFAULT", "SWEEPS"]
@@ -17,6 +18,7 @@ __all__ = ["DEFAULT", "SWEEPS"]
 SWEEPS: dict[str, Sweep] = {kind.name: kind for kind in (
     NORM,
     QK,
+    NORM_VIT,
     LM,
     LM_QK,
     CONVERT,

@@ -10,7 +10,8 @@ to float16 there, :mod:`recipes.sweeps.cells.half_inputs`; ``fp16-true``: the mo
 reference, run at the smallest and the largest swept learning rates and at the mechanism stress's),
 e.g. ``mrs-fp16``, x AdamW learning rate x seed, on the ``stdlib`` bytes. P1t's controls (issue 56): a half
 norm with the suffix ``-as-<family>`` starts its gains at that family's output scale
-(:mod:`recipes.sweeps.output_scale`, e.g. ``rms-half-safe-as-mrs-fp16-master``), and ``dyt`` is Dynamic Tanh; every
+(:mod:`recipes.sweeps.output_scale`, e.g. ``rms-half-safe-as-mrs-fp16-master``), ``dyt`` is Dynamic Tanh and
+``derf`` Dynamic erf (issue 64: also ``dyt-bf16``/``derf-bf16``); every
 cell records the residual stream's largest ``|x|`` per layer and step (:mod:`recipes.sweeps.cells.residual_trace`)
 (:mod:`recipes.sweeps.cells.lm`). ``results.csv`` has the arm's factors as columns (``norm``,
 ``precision``: Lightning's name). The ``OutlierMonitor`` records the norms' inputs, the
@@ -42,7 +43,7 @@ from typing import Any, Mapping, Optional
 
 from recipes.sweeps import figure as fig
 from recipes.sweeps.kind import History, Measured, Sweep
-from recipes.sweeps.claims.lm import (EXTRA_NORMS, HALF_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
+from recipes.sweeps.claims.lm import (EXTRA_NORMS, HALF_NORMS, POINTWISE_NORMS, HIGH_LR_MIN, LARGE_SHARE, MARGIN_BPB, NAIVE_HALF, NORMS, PRECISIONS,
                                       RULE, SCALE_FLOOR, TEXT, arm_name, claims, split_arm)
 from recipes.sweeps.claims.mechanism import CHANNEL, MECHANISM, MECHANISM_LR
 from recipes.sweeps.records import Row, distinct_lrs, same_lr, select
@@ -202,7 +203,9 @@ def _model_arms(arm: str) -> dict[str, Any]:
 LM_ARMS = tuple(dict.fromkeys((
     *(arm_name(n, p) for p in ("fp16", "bf16", "fp16-true", "fp16-master", "fp32") for n in NORMS),
     # P1t's rerun (issue 56): the safe pair's output-scale controls and DyT, and all of them in pure bf16
-    *(arm_name(n, p) for p in ("fp16-master", "bf16-master") for n in (*HALF_NORMS, *EXTRA_NORMS)))))
+    *(arm_name(n, p) for p in ("fp16-master", "bf16-master") for n in (*HALF_NORMS, *EXTRA_NORMS)),
+    # issue 64: DyT and Derf at the standard precision, beside rms/mrs/layer-bf16
+    *(arm_name(n, "bf16") for n in POINTWISE_NORMS))))
 #: the default grid's arms: every shipped norm in fp16 and bf16 (fp16 first: the premise); the half-precision norms
 #: inside fp16 autocast (P1m); in pure fp16 the naive half norms and the shipped rms and mrs beside them (P1h); the
 #: four half norms in pure fp16 with float32 master weights (P1t); the fp32 reference for rms and mrs

@@ -129,7 +129,7 @@ def test_missing_cifar100_fails_cleanly(tmp_path: Path, error_line: Callable[[in
 # CPU in imports, so the other mistakes go through run() in-process below).
 SCRIPT_MISTAKES = [
     (["--model.arch", "resnet19"], ["--model.arch 'resnet19'", "did you mean 'resnet18'"]),
-    (["--model.norm", "group"], ["model.norm", "'mrs', 'rms', 'layer', 'batch'", "group"]),
+    (["--model.norm", "group"], ["model.norm", "'mrs', 'rms', 'layer', 'batch', 'dyt', 'derf'", "group"]),
     (["--data.dataset", "folder", "--data.root", "no/such/dir"], ["--data.root 'no/such/dir'", "DIR/train/<class>"]),
 ]
 
