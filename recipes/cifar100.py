@@ -65,7 +65,7 @@ from recipes.common.errors import UsageError
 from recipes.common.hparams import CLASSIFIER_SUMMARY, HParamsSummary, RunLogger
 from recipes.common.interrupt import resume_callbacks, run_resumable
 from recipes.vision.models import check_input_size
-from recipes.vision.resume import StepSeed
+from recipes.vision.resume import EpochPosition, StepSeed
 from recipes.common.training import (ValidateAtEnd, build_quietly, check_nodes, cpu_fp16, default_precision,
                                      note_processes)
 
@@ -116,8 +116,13 @@ class CifarCLI(LightningCLI):
         # local rank 0, as Lightning's prepare_data does.
         check_input_size(self.model.model, self.datamodule.image_size)
         ckpt_path = self.config.get("ckpt_path")
-        if ckpt_path:
-            check_checkpoint(ckpt_path, self.model, self.model.hparams)
+        notice = check_checkpoint(ckpt_path, self.model, self.model.hparams,
+                                  {"--data.batch_size": self.datamodule.batch_size}) if ckpt_path else None
+        if notice:
+            # the sampler's position is in images: the epoch goes on from the image it reached (EpochPosition)
+            rank_zero_info(f"{notice} (the epoch goes on from the image it reached, in batches of "
+                           f"{self.datamodule.batch_size}; the steps of an epoch, and so the length of a schedule "
+                           "over epochs without --trainer.max_steps, follow the new size)")
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
         note_processes(self.config_init.get("trainer") or {})
@@ -148,7 +153,7 @@ def build_cli(args: Optional[list[str]] = None) -> CifarCLI:
         trainer_defaults={
             "max_epochs": 200,
             "callbacks": [LearningRateMonitor(logging_interval="step"), ValidateAtEnd(),
-                          HParamsSummary(CLASSIFIER_SUMMARY), *resume_callbacks(), StepSeed()],
+                          HParamsSummary(CLASSIFIER_SUMMARY), *resume_callbacks(), StepSeed(), EpochPosition()],
         },
         save_config_kwargs={"overwrite": True},
     )

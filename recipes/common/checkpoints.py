@@ -164,8 +164,15 @@ def check_resume(path: str, model: nn.Module, rules: Mapping[str, str], current:
     return notice
 
 
-def check_checkpoint(path: str, model: nn.Module, hparams: Any) -> None:
+def check_checkpoint(path: str, model: nn.Module, hparams: Any,
+                     current: Optional[Mapping[str, Any]] = None) -> Optional[str]:
     """Refuse ``path`` unless its weights load into ``model`` (whose saved hyperparameters are ``hparams``).
+
+    Args:
+        current: this run's values of the options that may change on resume (``{"--data.batch_size": 16}``).
+
+    Returns:
+        The notice line naming the ``current`` options that differ from the checkpoint's, or ``None``.
 
     Raises:
         UsageError: the file is unreadable, or was trained with other ``--model.*`` options, or its
@@ -180,3 +187,5 @@ def check_checkpoint(path: str, model: nn.Module, hparams: Any) -> None:
         raise UsageError(f"{where}: the checkpoint was trained with {', '.join(differ)}; pass the options it was "
                          "trained with (its config.yaml is in the run's directory) or another checkpoint.")
     _weights_mismatch(where, checkpoint, model)
+    current = current or {}
+    return compare_options(os.fspath(path), dict.fromkeys(current, MAY_CHANGE), current, saved_options(checkpoint))

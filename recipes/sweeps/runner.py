@@ -14,6 +14,7 @@ import argparse
 import itertools
 import json
 import math
+import pickle
 import sys
 import time
 import uuid
@@ -89,6 +90,29 @@ def _on_worker(args: argparse.Namespace, out: Path, cell: Cell, threads: Optiona
     return {**_work(args, out, cell, threads, gpu), "worker": get_worker().address}
 
 
+class _Call:
+    """A call made where it is unpickled: ``pickle.loads(pickle.dumps(_Call(f, *args)))`` is ``f(*args)``.
+
+    A cell's task is ``pickle.loads`` of these bytes: the scheduler unpickles every task it receives, and a task
+    naming this project's function (or holding its objects, the sweep's settings) unpickles only where the project
+    imports; ``pickle.loads`` and bytes unpickle everywhere, so a scheduler started anywhere (``dask scheduler``, as
+    docs/recipes.md says) runs the sweep, and only the workers, which train, import the project.
+    """
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+def _task(args: argparse.Namespace, out: Path, cell: Cell, cluster: Any) -> bytes:
+    """The cell's :func:`_on_worker` call as bytes (:class:`_Call`), pickled as Dask pickles a task (cloudpickle)."""
+    import cloudpickle
+
+    return cloudpickle.dumps(_Call(_on_worker, args, out, cell, cluster.threads, cluster.gpu))
+
+
 def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any) -> Iterator[dict[str, Any]]:
     """The records of ``todo`` as they finish, in this process (``cluster`` None) or as tasks of the Dask client.
     When a cell fails, no new cell starts; the cells already running finish and are yielded; then the error is raised.
@@ -99,8 +123,8 @@ def _records(args: argparse.Namespace, out: Path, todo: list[Cell], cluster: Any
     from distributed import as_completed
 
     client, token = cluster.client, uuid.uuid4().hex[:8]  # task keys: <cell>@<this sweep>, unique on a shared cluster
-    futures = [client.submit(_on_worker, args, out, cell, cluster.threads, cluster.gpu, key=f"{args.sweep.cell_name(*cell)}@"
-                             f"{token}", resources={"GPU": 1} if cluster.gpu else None) for cell in todo]
+    futures = [client.submit(pickle.loads, _task(args, out, cell, cluster), key=f"{args.sweep.cell_name(*cell)}@{token}",
+                             resources={"GPU": 1} if cluster.gpu else None) for cell in todo]
     failure: Optional[BaseException] = None
     try:
         for future in as_completed(futures):

@@ -15,7 +15,7 @@ of ``seq_len + 1`` consecutive bytes (inputs and their next-byte targets):
 
 * training: windows at uniformly random offsets of the training bytes, an endless stream
   (:class:`RandomWindows`), seeded by the run's seed (``seed_everything``), the process's
-  global rank and the DataLoader worker; a resumed run continues the stream after the batches
+  global rank and the batch's index (not the DataLoader worker count); a resumed run continues the stream after the batches
   of the steps it has taken, so it sees exactly the windows the uninterrupted run would have;
   the run's length is ``--trainer.max_steps``, not epochs;
 * validation: a fixed set of ``--data.val_windows`` windows at evenly spaced offsets of the
@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 from typing import Any, Iterator, Literal, Optional, Union
@@ -51,16 +52,16 @@ TEXT_DATASETS = ("stdlib", "text")
 
 
 class RandomWindows(IterableDataset):
-    """An endless stream of ``(length,)`` uint8 windows at uniformly random offsets of ``data``.
+    """An endless stream of ``(length,)`` uint8 windows at uniformly random offsets of ``data``, batch by batch.
 
-    Each DataLoader worker draws from its own seeded stream (``seed``, the worker's place), 1024
-    offsets at a time, and the DataLoader takes the workers' batches in turn; so batch ``k`` of the
-    run is a function of ``seed``, ``batch_size`` and ``k`` alone. ``start_batch`` starts the stream
-    at batch ``k``: a run resumed after ``k`` batches gets exactly the windows an uninterrupted run
-    would have had next (the streams are fast-forwarded, nothing is replayed).
+    Batch ``k``'s ``batch_size`` offsets are drawn from a generator seeded by ``(seed, k)`` alone, and
+    DataLoader worker ``w`` of ``W`` serves batches ``w, w + W, ...`` (the DataLoader takes the workers'
+    batches in turn); so batch ``k`` of the run is a function of ``seed``, ``batch_size`` and ``k``, not of
+    the worker count (a CPU and a GPU machine, whose default counts differ, train the same windows; a run
+    resumed with another ``--data.num_workers`` goes on as the uninterrupted one). ``start_batch`` starts the
+    stream at batch ``k``: a run resumed after ``k`` batches gets exactly the windows an uninterrupted run
+    would have had next.
     """
-
-    _BLOCK = 1024
 
     def __init__(self, data: torch.Tensor, length: int, seed: int, batch_size: int = 1, start_batch: int = 0) -> None:
         if data.numel() < length:
@@ -74,20 +75,12 @@ class RandomWindows(IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        # the DataLoader asks worker 0 first: it serves batch start_batch, which belongs to stream
-        # (start_batch % workers) at that stream's batch start_batch // workers
-        first = self.start_batch + worker
-        stream, local = first % workers, first // workers
-        g = torch.Generator().manual_seed((self.seed * 1000 + stream) % 2**63)
         high = self.data.numel() - self.length + 1
-        skip = local * self.batch_size  # windows this stream served before the start
-        for _ in range(skip // self._BLOCK):
-            torch.randint(0, high, (self._BLOCK,), generator=g)
-        offset = skip % self._BLOCK
-        while True:
-            for start in torch.randint(0, high, (self._BLOCK,), generator=g).tolist()[offset:]:
+        g = torch.Generator()
+        for batch in itertools.count(self.start_batch + worker, workers):  # the DataLoader asks worker 0 first
+            g.manual_seed((self.seed * 1_000_003 + batch) % 2**63)
+            for start in torch.randint(0, high, (self.batch_size,), generator=g).tolist():
                 yield _window(self.data, start, self.length)  # (length,), or with its target bytes
-            offset = 0
 
 
 class FixedWindows(Dataset):

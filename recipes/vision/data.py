@@ -55,7 +55,7 @@ from typing_extensions import override
 from recipes.vision.datasets import (FolderLayout, TensorImages, digits_images, image_folder, require_sklearn_digits,
                                      scan_folder, stratified_split)
 from recipes.common.errors import UsageError, check_loader_options
-from recipes.vision.resume import EpochSampler, run_seed, seeded
+from recipes.vision.resume import EpochSampler, PositionLoader, run_seed, seeded
 from recipes.vision.synthetic import SyntheticCIFAR100
 
 __all__ = ["CIFAR100_URL", "DATASETS", "DatasetUnavailableError", "ImageDataModule"]
@@ -328,15 +328,13 @@ class ImageDataModule(pl.LightningDataModule):
         # position) is saved in checkpoints by Lightning, so a resume mid-epoch goes on bit for bit
         # (recipes.vision.resume); the sampler splits the data over the processes itself (Lightning keeps a
         # DistributedSampler as it is, and sets its epoch)
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
         trainer = self.trainer
         place = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
         sampler = EpochSampler(len(dataset), run_seed(), place.get("num_replicas", 1),  # type: ignore[arg-type]
                                place.get("rank", 0))
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch now says is deprecated
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-            return StatefulDataLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
+            return PositionLoader(dataset, sampler=sampler, drop_last=True, **kwargs)
 
     @override
     def train_dataloader(self) -> DataLoader:

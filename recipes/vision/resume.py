@@ -12,7 +12,10 @@ random stream whose position a resume would lose; each draw is a function of the
   count nor a resume changes an augmented image;
   the sampler's position (``state_dict``/``load_state_dict``) is part of the state of torchdata's
   ``StatefulDataLoader``, which Lightning saves in checkpoints and restores, so a resumed sampler
-  skips the indices taken, without loading them;
+  skips the indices taken, without loading them; :class:`PositionLoader` restores that position
+  alone when the run resumes with another worker count, whose loader state torchdata cannot load;
+* :class:`EpochPosition`: the resumed epoch's batch counter follows the sampler's position, so a
+  resume with another batch size trains the epoch's remaining images, no fewer;
 * :class:`StepSeed`: before each training batch, the global torch generators (CPU and CUDA:
   dropout, drop-path) are seeded by ``(seed, rank, epoch, batch index)``, so a step's randomness
   does not depend on what ran before it (validation, a DataLoader started, a resume).
@@ -38,9 +41,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
-__all__ = ["EpochSampler", "StepSeed", "mix", "run_seed", "seeded"]
+__all__ = ["EpochPosition", "EpochSampler", "PositionLoader", "StepSeed", "mix", "run_seed", "seeded"]
 
 _MASK = (1 << 64) - 1
 
@@ -193,3 +197,65 @@ class StepSeed(Callback):
                              batch_idx: int) -> None:
         seed = self.seed if self.seed is not None else run_seed()
         torch.manual_seed(mix(seed, trainer.global_rank, trainer.current_epoch, batch_idx))
+
+
+def _main_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The main process's part of a ``StatefulDataLoader`` state (a multi-process loader keeps it in its snapshot)."""
+    return (state.get("_snapshot") or {}).get("_main_snapshot") or state
+
+
+def _position(state: dict[str, Any]) -> Optional[dict[str, int]]:
+    """The :class:`EpochSampler` state inside a ``StatefulDataLoader`` state (``None``: none there)."""
+    return (_main_state(state).get("_sampler_iter_state") or {}).get("sampler_state")
+
+
+class PositionLoader(StatefulDataLoader):
+    """torchdata's ``StatefulDataLoader`` that resumes a state saved with another ``num_workers``.
+
+    The state of a single-process loader and that of a multi-process one are different structures, and
+    torchdata asserts on the other one. What decides the data is the sampler's position alone (the order
+    and each image's augmentation are functions of the seed, the epoch and the index, not of the worker
+    that loads it), so a state of another worker count restores that position into the sampler and
+    starts the loader afresh from it.
+    """
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = _main_state(state_dict).get("_num_workers", 0)  # the single-process state does not say: 0
+        position = _position(state_dict)
+        if state_dict and saved != self.num_workers and position is not None:
+            super().load_state_dict({})
+            self.sampler.load_state_dict(position)  # type: ignore[attr-defined]
+            return
+        super().load_state_dict(state_dict)
+
+
+class EpochPosition(Callback):
+    """On resume, the epoch's batch counter is the one the sampler's position gives at this run's batch size.
+
+    Lightning ends an epoch when its batch counter reaches the loader's length; it restores the counter
+    of the checkpoint's batch size. After ``--data.batch_size`` 8 -> 16, 5 batches in, the sampler goes on
+    from image 40 while Lightning counts 5 of the 89 batches of 16 done: it would stop 3 batches before the
+    images run out. The counter becomes ``N // b - (N - taken) // b`` (``N``: this process's images an
+    epoch, ``b``: the new batch size), so the images left are exactly the batches left; unchanged for the
+    same batch size.
+    """
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        saved = (checkpoint.get("datamodule_hyper_parameters") or {}).get("batch_size")
+        data = trainer.datamodule
+        batch = getattr(data, "batch_size", None)
+        fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+        loaders = (fit.get("state_dict") or {}).get("combined_loader") or []
+        position = _position(loaders[0]) if len(loaders) == 1 else None
+        progress = fit.get("epoch_loop.batch_progress")
+        if saved in (None, batch) or position is None or progress is None or data.train_set is None:
+            return
+        place = trainer.distributed_sampler_kwargs or {}
+        images = math.ceil(len(data.train_set) / place.get("num_replicas", 1))  # EpochSampler.num_samples
+        shift = images // batch - (images - position["taken"]) // batch - progress["current"]["ready"]
+        for counts in (progress["current"], progress["total"]):
+            for key in counts:
+                counts[key] = max(0, counts[key] + shift)

@@ -48,11 +48,13 @@ class Processes:
         self.tmp, self.procs = tmp, {}
 
     def scheduler(self) -> str:
-        """A scheduler on 127.0.0.1, its HTTP routes too (no dashboard, gone after 10 idle minutes); its address."""
+        """A scheduler on 127.0.0.1, its HTTP routes too (no dashboard, gone after 10 idle minutes); its address.
+        Started as docs/recipes.md says (``dask scheduler``), outside the repository and without it on the path:
+        a scheduler does not import this project."""
         file = self.tmp / "scheduler.json"
-        self._start("scheduler", ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
-                                  "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file),
-                                  "--idle-timeout", "600"], ROOT)
+        self._start("scheduler", ["dask", "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                  "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file),
+                                  "--idle-timeout", "600"], self.tmp)
         _until(lambda: file.exists() and "address" in file.read_text(), "the scheduler's address file")
         return json.loads(file.read_text())["address"]
 
@@ -168,6 +170,24 @@ def test_a_sweep_on_two_workers_equals_the_local_one_and_survives_a_killed_worke
         assert _results(killed) == _results(local)
     finally:
         client.close()
+
+
+@pytest.mark.slow  # a scheduler, a worker importing torch and Lightning, a LocalCluster: ~1 min on 2 busy cores
+def test_a_scheduler_started_as_documented_outside_the_repository_runs_the_sweep_as_jobs_does(
+        tmp_path: Path, processes: Processes, capsys: pytest.CaptureFixture) -> None:
+    """``dask scheduler`` from a folder without the project (issue 61, case 6): before, the scheduler failed to
+    unpickle the cells' tasks (``ModuleNotFoundError: No module named 'recipes'``) and the sweep ended in that
+    traceback; only a scheduler started from the repository root worked, which is how these tests started it."""
+    address = processes.scheduler()
+    processes.worker(address, "w0")
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    two = [*TINY, "--norms", "layer", "mrs"]  # 2 cells: --jobs 2 runs them with 1 thread each, as the worker does
+    assert run([*two, "--jobs", "2", "--out", str(local)]) == 0
+    assert run([*two, "--scheduler", address, "--out", str(remote)]) == 0, capsys.readouterr().err[-3000:]
+    assert f"2 to run (the Dask scheduler at {address})" in capsys.readouterr().out
+    records = [json.loads(text) for text in _records(remote).values()]
+    assert len(records) == 2 and all(r["worker"].startswith("tcp://127.0.0.1:") for r in records)
+    assert _results(remote) == _results(local)  # cell by cell, the machine and threads included
 
 
 @pytest.mark.slow  # a scheduler and two light workers: ~10-20 s on 2 busy cores
