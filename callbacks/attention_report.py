@@ -57,17 +57,10 @@ def figures_of(layer: WatchedLayer) -> tuple[str, ...]:
 
 
 class AttentionCapture(LayerCapture[WatchedLayer]):
-    """The per-layer sums of logging step ``step``, and the hooks that collect them.
-
-    Args:
-        layers: the layers to watch (names unique, ``q_norm``/``k_norm`` modules not shared).
-        step: the logging step the figures will be logged at.
-        device: where the sums accumulate (the module's device).
-        max_queries: queries sampled per layer call (``None``: all), see
-            :func:`~lightning_mrs.attention_stats.query_sample`.
-        collapse_threshold: a row is collapsed when its largest weight exceeds this.
-        warn: ``warn(key, message)`` for problems met in a hook; ``key`` lets the caller warn once per key.
-    """
+    """The per-layer sums of logging step ``step`` and the hooks that collect them (the arguments of
+    :class:`~lightning_mrs.callbacks.capture.LayerCapture`, and ``max_queries``: queries sampled per
+    layer call, ``None`` all, see :func:`~lightning_mrs.attention_stats.query_sample`;
+    ``collapse_threshold``: a row is collapsed when its largest weight exceeds this)."""
 
     owner = "AttentionMonitor"
 

@@ -46,16 +46,10 @@ class MonitoredLayer(Layer):
 
 
 class Capture(LayerCapture[MonitoredLayer]):
-    """Hooks on ``layers`` for logging step ``step``, and the per-layer sums they collected.
-
-    Args:
-        layers: the layers to watch (names unique).
-        step: the logging step the figures will be logged at.
-        device: where the sums accumulate (the module's device).
-        warn: ``warn(key, message)`` for problems met in a hook; ``key`` lets the caller warn once per key.
+    """Hooks on ``layers`` for logging step ``step``, and the per-layer sums they collected
+    (arguments and ``sums``: :class:`~lightning_mrs.callbacks.capture.LayerCapture`'s).
 
     Attributes:
-        sums: layer name -> the sums so far (micro-batches and backward passes add up).
         weights: MRS layer name -> :func:`lightning_mrs.stats.weight_grad_stats` of its weight
             gradient at the first optimizer step that owns the weight.
         scale: the GradScaler scale the backward ran with (``None`` without a scaler).
