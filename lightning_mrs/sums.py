@@ -10,6 +10,7 @@ pools it over layers, :func:`pool`). Needs only torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import torch
@@ -47,14 +48,16 @@ class Sums:
     """
 
     def __post_init__(self) -> None:
-        shapes = {f.name: (f.metadata["vector"], tuple(getattr(self, f.name).shape)) for f in fields(self)}
-        vectors = {shape for vector, shape in shapes.values() if vector}
-        if len(vectors) > 1 or any(len(shape) != vector for vector, shape in shapes.values()):
-            raise ValueError(
-                f"{type(self).__name__}: " + ", ".join(k for k, (v, _) in shapes.items() if v) + " must be vectors of "
-                "one length and " + ", ".join(k for k, (v, _) in shapes.items() if not v) + " 0-d; got "
-                + ", ".join(f"{k} {shape}" for k, (_, shape) in shapes.items()) + "."
-            )
+        vector_shape = None
+        for name, _, vector in _spec(type(self)):
+            shape = getattr(self, name).shape
+            if len(shape) != vector or (vector and vector_shape not in (None, shape)):
+                shapes = {f: (v, tuple(getattr(self, f).shape)) for f, _, v in _spec(type(self))}
+                raise ValueError(
+                    f"{type(self).__name__}: " + ", ".join(k for k, (v, _) in shapes.items() if v) + " must be "
+                    "vectors of one length and " + ", ".join(k for k, (v, _) in shapes.items() if not v) + " 0-d; got "
+                    + ", ".join(f"{k} {shape}" for k, (_, shape) in shapes.items()) + ".")
+            vector_shape = shape if vector else vector_shape
 
     @classmethod
     def reduced_by(cls, op: str) -> tuple[str, ...]:
@@ -70,18 +73,23 @@ class Sums:
 
     def as_dict(self) -> dict[str, Tensor]:
         """Field name -> tensor."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name, _, _ in _spec(type(self))}
 
     def to(self: S, *args: Any, **kwargs: Any) -> S:
         """Every field through ``Tensor.to(*args, **kwargs)``."""
-        return type(self)(**{k: v.to(*args, **kwargs) for k, v in self.as_dict().items()})
+        return type(self)(*(getattr(self, name).to(*args, **kwargs) for name, _, _ in _spec(type(self))))
 
     def __add__(self: S, other: S) -> S:
         if type(other) is not type(self):
             return NotImplemented
-        return type(self)(**{f.name: torch.maximum(getattr(self, f.name), getattr(other, f.name))
-                             if f.metadata["reduce"] == "max" else getattr(self, f.name) + getattr(other, f.name)
-                             for f in fields(self)})
+        return type(self)(*(torch.maximum(getattr(self, name), getattr(other, name)) if maxed
+                            else getattr(self, name) + getattr(other, name) for name, maxed, _ in _spec(type(self))))
+
+
+@lru_cache(maxsize=None)
+def _spec(cls: type) -> tuple[tuple[str, bool, bool], ...]:
+    """``(name, taken with max, vector)`` of each field of a :class:`Sums` class (read once: a hook adds often)."""
+    return tuple((f.name, f.metadata["reduce"] == "max", f.metadata["vector"]) for f in fields(cls))
 
 
 #: how ``<prefix>/all`` pools a figure over the layers that have it
