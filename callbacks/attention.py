@@ -8,44 +8,27 @@ keys that enter each attention layer's logits (hooks on the layer's ``q_norm``/`
 (fused attention never materialises them) and logs their size, the softmax entropy and the
 share of collapsed attention rows (:mod:`lightning_mrs.attention_stats` defines every figure).
 
-How a logging step works (the steps are Lightning's own,
-:mod:`lightning_mrs.callbacks.logging_steps`: the figures appear where ``self.log``'s do):
-
-1. ``on_train_batch_start``: the layers are found (``iter_attention_layers``) and a forward
-   hook goes on each ``q_norm`` and ``k_norm``
-   (:class:`~lightning_mrs.callbacks.attention_report.AttentionCapture`); each layer call
-   reduces its q and k to a few sums on the device at once.
-2. ``on_before_backward`` (and at the latest ``on_train_batch_end``): the hooks are removed.
-   Only the training forward is captured: not backward recomputation (activation
-   checkpointing), not validation. Micro-batches of gradient accumulation add up.
-3. ``on_train_batch_end`` of the batch Lightning logs: two ``trainer.strategy.reduce`` calls,
-   the step's only collectives (a sum for the sums, ``ReduceOp.MAX`` for ``logit_max``;
-   ``entropy_min`` needs no minimum over ranks: it is taken over the per-head sums after
-   they are summed, so it is the global batch's), figures on the device, one copy to the
-   host, logged from rank zero through every logger; TensorBoard also gets, once, the
-   "Attention" custom-scalars layout.
-
-Between logging steps no hook is registered and nothing runs but a step-number check. The
-life cycle (when to open and close a capture, arming it for the training forward only, logging,
-warnings, state) is :class:`~lightning_mrs.callbacks.forward_monitor.ForwardCaptureMonitor`'s;
-this module adds what is watched and computed.
+On a logging step (Lightning's own, :mod:`lightning_mrs.callbacks.logging_steps`) forward hooks on
+each ``q_norm`` and ``k_norm`` (:class:`~lightning_mrs.callbacks.attention_report.AttentionCapture`)
+watch the training forward only; under DDP ``logit_max`` takes ``ReduceOp.MAX`` and the sums add
+(``entropy_min`` is taken over the per-head sums after that, so it is the global batch's). Between
+logging steps no hook is registered. The life cycle is
+:class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds what is watched.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from functools import partial
 from typing import Optional
 
 import lightning.pytorch as pl
 from torch import nn
 from typing_extensions import override
 
-from lightning_mrs.attention_stats import LAYOUTS
-from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
-from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
-from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
-from lightning_mrs.callbacks.monitor_base import check_count, check_fraction
+from lightning_mrs.attention_stats import FIGURES, LAYOUTS
+from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, figures_of
+from lightning_mrs.callbacks.capture import display_name
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import ATTENTION
 from lightning_mrs.swap import AttentionInfo, iter_attention_layers
 
@@ -76,7 +59,7 @@ def _unseen_terms(module: nn.Module, info: AttentionInfo) -> Optional[str]:
     return " and ".join(terms) or None
 
 
-class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
+class AttentionMonitor(LoggingStepMonitor[WatchedLayer, AttentionCapture]):
     """Log the logits and softmax of every attention layer as ``z-layers/attention/<layer>/<stat>``.
 
     Per layer, from the per-head queries and keys that enter the logits (the outputs of the
@@ -126,8 +109,8 @@ class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
         >>> trainer = pl.Trainer(callbacks=[AttentionMonitor(max_queries=128)])  # doctest: +SKIP
     """
 
-    owner = "AttentionMonitor"
-    board = ATTENTION
+    owner, board, figures_table, seen, forward_only = "AttentionMonitor", ATTENTION, FIGURES, "queries", True
+    _figures_of = staticmethod(figures_of)
 
     def __init__(
         self,
@@ -168,28 +151,15 @@ class AttentionMonitor(ForwardCaptureMonitor[WatchedLayer, AttentionCapture]):
             terms = _unseen_terms(module, info)
             if terms is not None:
                 unseen.append(f"{name or 'root'} ({terms})")
-        if skipped:
-            self._warn_once("skipped:" + ";".join(skipped),
-                            "AttentionMonitor: not monitoring these attention layers: " + "; ".join(skipped) + ".")
         if unseen:
             self._warn_once("unseen:" + ";".join(unseen), (
                 "AttentionMonitor: these layers add terms to scale * q.k that the monitor does not recompute, so "
                 "their figures are those of scale * q.k alone: " + "; ".join(unseen) + "."))
-        if not layers:
-            self._warn_once("nolayers", (
-                "AttentionMonitor: the model has no attention layer it can monitor (timm ViT/DeiT/EVA... attention, "
-                "or torch/torchvision/transformers attention after lightning_mrs.swap.expose_attention(model) or a "
-                "QK-norm swap); nothing will be logged."))
-        return layers
+        return self._found(layers, skipped, "attention layer", (
+            "timm ViT/DeiT/EVA... attention, or torch/torchvision/transformers attention after "
+            "lightning_mrs.swap.expose_attention(model) or a QK-norm swap"))
 
     @override
     def _open_capture(self, layers: list[WatchedLayer], step: int, pl_module: pl.LightningModule) -> AttentionCapture:
         return AttentionCapture(layers, step, pl_module.device, self.max_queries, self.collapse_threshold,
                                 self._warn_once)
-
-    # ------------------------------------------------------------------ reduce + log
-    @override
-    def _finish(self, trainer: pl.Trainer, capture: AttentionCapture) -> None:
-        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
-        metrics = step_metrics(capture.layers, sums)
-        self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])

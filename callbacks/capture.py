@@ -1,31 +1,30 @@
-"""Helpers every monitor's capture shares: the flat collective, the sums' dtype, warnings.
+"""What every monitor's capture shares: its hooks' life, the guarded add, the reduction, the metrics.
 
-A monitor's capture (``Capture`` of ``GradientHomogeneityMonitor``, ``AttentionCapture`` of
-``AttentionMonitor``, ``OutlierCapture`` of ``OutlierMonitor``) collects named tensors on the
-device during a logging step. :func:`apply_flat` runs one operation on all of them at once
-(the step's collective, its device-to-host copy) and hands them back by name;
-:func:`reduce_over_ranks` is that collective, a sum or a maximum over ranks;
-:func:`sums_dtype` is the dtype they accumulate in; a hook reports a problem through a
-:data:`Warn` (:func:`no_warning` drops it).
-
-Example:
-    >>> import torch
-    >>> out = apply_flat({"a": torch.ones(2), "b": torch.tensor(3.0)}, lambda t: t * 2)
-    >>> out["a"].tolist(), out["b"].item()
-    ([2.0, 2.0], 6.0)
+A monitor's capture (a :class:`LayerCapture`) holds the hooks of one logging step and the
+per-layer :class:`~lightning_mrs.sums.Sums` they add up (a failing layer warns once, naming it,
+and training goes on). :meth:`LayerCapture.reduced` reduces them over ranks, one collective per
+reduction kind (:func:`apply_flat` runs one operation on many named tensors at once;
+:func:`reduce_over_ranks` is that collective); :func:`layer_metrics` turns the reduced sums into
+the logged metrics from the monitor's table of :class:`~lightning_mrs.sums.Figure`, with one
+device-to-host copy. :func:`sums_dtype` is the dtype sums accumulate in; a hook reports a problem
+through a :data:`Warn` (:func:`no_warning` drops it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Mapping, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Generic, Hashable, Mapping, Optional, Sequence, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["Warn", "apply_flat", "display_name", "eager_while_capturing", "no_warning", "reduce_over_ranks",
-           "sums_dtype", "to_host"]
+from lightning_mrs.sums import Figure, Sums, pool
+
+__all__ = ["Layer", "LayerCapture", "Warn", "apply_flat", "display_name", "eager_while_capturing", "layer_metrics",
+           "no_warning", "reduce_over_ranks", "sums_dtype", "to_host"]
 
 Warn = Callable[[str, str], None]  # (once-key, message)
+Reduce = Callable[[Tensor, str], Tensor]  # (flat tensor, "sum" | "max") -> reduced over ranks
 K = TypeVar("K", bound=Hashable)
 
 
@@ -128,3 +127,102 @@ def reduce_over_ranks(strategy: Any, flat: Tensor, op: str) -> Tensor:
                                else "max")
     except ValueError:
         return strategy.all_gather(flat).reshape(-1, flat.numel()).amax(dim=0)  # (world, n) -> (n,)
+
+
+@dataclass
+class Layer:
+    """A layer under watch: its qualified name (as logged) and the module."""
+
+    name: str
+    module: nn.Module
+
+
+LayerT = TypeVar("LayerT", bound=Layer)
+
+
+class LayerCapture(Generic[LayerT]):
+    """The hooks of logging step ``step`` on ``layers`` and the per-layer sums they add up.
+
+    A subclass sets :attr:`owner`, gives each layer's empty sums (:meth:`_zeros`) and registers its
+    hooks (:meth:`_hooks`), which hand their sums to :meth:`add`. The monitor arms the capture for
+    each (micro-)batch of the logging step (and, for a forward-only monitor, disarms it after the
+    training forward); :meth:`close` ends it.
+
+    Attributes:
+        sums: layer name -> the sums so far (calls, micro-batches and backward passes add up).
+        stepped: an optimizer step happened since the capture opened.
+    """
+
+    owner: ClassVar[str]
+
+    def __init__(self, layers: list[LayerT], step: int, device: torch.device, warn: Warn = no_warning) -> None:
+        self.layers, self.step, self._warn = layers, step, warn
+        self.sums = {layer.name: self._zeros(layer, dtype=sums_dtype(device), device=device) for layer in layers}
+        self.stepped = False
+        self._handles: list[Any] = []
+
+    def _zeros(self, layer: LayerT, **kwargs: Any) -> Sums:
+        """The empty sums of ``layer`` (``kwargs``: dtype and device)."""
+        raise NotImplementedError
+
+    def _hooks(self, layer: LayerT) -> list[Any]:
+        """Register the hooks of ``layer``; their handles."""
+        raise NotImplementedError
+
+    def arm(self) -> None:
+        """Register the hooks. Idempotent."""
+        if not self._handles:
+            self._handles = [handle for layer in self.layers for handle in self._hooks(layer)]
+
+    def disarm(self) -> None:
+        """Remove every hook: the one place that does. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def close(self) -> None:
+        """End the capture (the logging step is over or dropped)."""
+        self.disarm()
+
+    def add(self, layer: LayerT, compute: Callable[[], Sums]) -> None:
+        """Add ``compute()`` to ``layer``'s sums; an error warns (once per layer) instead of breaking training."""
+        try:
+            total = self.sums[layer.name]
+            self.sums[layer.name] = total + compute().to(next(iter(total.as_dict().values())))
+        except Exception as err:  # noqa: BLE001 - a statistic must never break training
+            self._warn(f"hook:{layer.name}", f"{self.owner}: layer {layer.name or 'root'!r} "
+                       f"({type(layer.module).__name__}) is not monitored on this step: {err}")
+
+    def reduced(self, reduce: Reduce) -> dict[str, Sums]:
+        """The sums after ``reduce`` (over ranks): one ``reduce(flat, op)`` per reduction kind."""
+        out: dict[tuple[str, str], Tensor] = {}
+        for op in ("sum", "max"):
+            named = {(name, f): getattr(s, f) for name, s in self.sums.items() for f in s.reduced_by(op)}
+            out.update(apply_flat(named, lambda flat, op=op: reduce(flat, op)))
+        return {name: type(s)(**{f: out[name, f] for f in s.as_dict()}) for name, s in self.sums.items()}
+
+
+def layer_metrics(tag: Callable[[str, str], str], layers: Sequence[LayerT], sums: Mapping[str, Sums],
+                  table: Mapping[str, Figure], seen: str, figures_of: Callable[[LayerT], Sequence[str]],
+                  per_layer: bool = True) -> dict[str, float]:
+    """The per-layer figures ``tag(layer, figure)`` and their pool over layers ``tag("all", figure)``.
+
+    The figures of each layer (those ``figures_of`` gives, formulas of ``table``) are computed on
+    the sums' device and copied to the host once. A layer whose count ``seen`` is 0 (not called on
+    this step) is left out, and so is a figure whose :attr:`~lightning_mrs.sums.Figure.needs` is 0.
+    """
+    on_device: dict[tuple[str, str], Tensor] = {}
+    for layer in layers:
+        s = sums[layer.name]
+        on_device.update({(layer.name, f): table[f].formula(s) for f in figures_of(layer)})
+        counts = {seen, *(table[f].needs for f in figures_of(layer) if table[f].needs)}
+        on_device.update({(layer.name, count): getattr(s, count) for count in counts})
+    if not on_device:
+        return {}
+    host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # the one copy
+    rows = {layer.name: {f: host[layer.name, f] for f in figures_of(layer)
+                         if table[f].needs is None or host[layer.name, table[f].needs] > 0}
+            for layer in layers if host[layer.name, seen] > 0}
+    metrics = {tag(name, f): v for name, row in rows.items() for f, v in row.items()} if per_layer else {}
+    metrics.update({tag("all", f): v for f, v in pool(table, rows.values()).items()})
+    return metrics

@@ -36,13 +36,14 @@ How a logging step works:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mrs.callbacks.capture import display_name
+from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
 from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_fraction
@@ -158,18 +159,8 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
                 skipped.append(f"{name or 'root'} ({type(module).__name__}: {reason})")
                 continue
             layers.append(MonitoredLayer(name, module, spec))
-        if skipped:
-            self._warn_once(
-                "skipped:" + ",".join(skipped),
-                "GradientHomogeneityMonitor: not monitoring these norm layers: " + "; ".join(skipped) + ".",
-            )
-        if not layers:
-            self._warn_once(
-                "nolayers",
-                "GradientHomogeneityMonitor: the model has no norm layer it can monitor (MRSNorm, BatchNorm, "
-                "LayerNorm, GroupNorm, RMSNorm... with an even channel count); nothing will be logged.",
-            )
-        return layers
+        return self._found(layers, skipped, "norm layer",
+                           "MRSNorm, BatchNorm, LayerNorm, GroupNorm, RMSNorm... with an even channel count")
 
     @override
     def _open_capture(self, layers: list[MonitoredLayer], step: int, pl_module: pl.LightningModule) -> Capture:
@@ -192,7 +183,7 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     # ------------------------------------------------------------------ reduce + log
     @override
     def _finish(self, trainer: pl.Trainer, capture: Capture) -> None:
-        sums = capture.reduced(lambda flat: trainer.strategy.reduce(flat, reduce_op="sum"))  # the one collective
+        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))  # the one collective: a sum
         scaler = self._scaler(trainer)
         if scaler is not None and capture.scale is None:  # manual optimization without a step
             capture.scale = float(scaler.get_scale())

@@ -1,10 +1,9 @@
 """One logging step's capture for ``GradientHomogeneityMonitor``: its hooks and what they collect.
 
-A :class:`Capture` exists only while a logging step runs. Opening it registers a forward
-pre-hook on each monitored norm layer; :meth:`Capture.close` is the one place that removes
-them. During backward the tensor hooks add each layer's :class:`~lightning_mrs.stats.PhasorSums`
-under the layer's name; :meth:`Capture.reduced` sums them over ranks with one collective
-(:func:`~lightning_mrs.callbacks.capture.apply_flat`).
+A :class:`Capture` exists only while a logging step runs. Arming it registers a forward
+pre-hook on each monitored norm layer, which hands the layer an alias of its input with a tensor
+hook; during backward the tensor hooks add each layer's :class:`~lightning_mrs.stats.PhasorSums`
+under the layer's name. Closing it removes the pre-hooks and ignores gradients still to come.
 
 Example:
     >>> import torch
@@ -12,6 +11,7 @@ Example:
     >>> from lightning_mrs.swap.registry import norm_spec
     >>> ln = nn.LayerNorm(4)
     >>> capture = Capture([MonitoredLayer("ln", ln, norm_spec(ln))], step=0, device=torch.device("cpu"))
+    >>> capture.arm()
     >>> ln(torch.randn(3, 4, requires_grad=True)).sum().backward()
     >>> capture.close()
     >>> capture.sums["ln"].count.item()
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype
+from lightning_mrs.callbacks.capture import Layer, LayerCapture, Warn, no_warning
 from lightning_mrs.stats import PhasorSums, phasor_sums, weight_grad_stats
 from lightning_mrs.swap.registry import NormSpec
 
@@ -35,11 +35,9 @@ __all__ = ["Capture", "MonitoredLayer"]
 
 
 @dataclass
-class MonitoredLayer:
+class MonitoredLayer(Layer):
     """A norm layer under watch: its qualified name, the module and its registry spec."""
 
-    name: str
-    module: nn.Module
     spec: NormSpec
 
     @property
@@ -47,43 +45,34 @@ class MonitoredLayer:
         return self.spec.num_channels // 2
 
 
-class Capture:
-    """Hooks on ``layers`` for logging step ``step``, and the per-layer sums they collected.
-
-    Args:
-        layers: the layers to watch (names unique).
-        step: the logging step the figures will be logged at.
-        device: where the sums accumulate (the module's device).
-        warn: ``warn(key, message)`` for problems met in a hook (a statistic never breaks
-            training); ``key`` lets the caller warn once per key.
+class Capture(LayerCapture[MonitoredLayer]):
+    """Hooks on ``layers`` for logging step ``step``, and the per-layer sums they collected
+    (arguments and ``sums``: :class:`~lightning_mrs.callbacks.capture.LayerCapture`'s).
 
     Attributes:
-        sums: layer name -> the sums so far (micro-batches and backward passes add up).
         weights: MRS layer name -> :func:`lightning_mrs.stats.weight_grad_stats` of its weight
             gradient at the first optimizer step that owns the weight.
         scale: the GradScaler scale the backward ran with (``None`` without a scaler).
-        stepped: an optimizer step happened since the capture opened.
     """
 
+    owner = "GradientHomogeneityMonitor"
+
     def __init__(self, layers: list[MonitoredLayer], step: int, device: torch.device, warn: Warn = no_warning) -> None:
-        self.layers = layers
-        self.step = step
-        self._warn = warn
-        self.sums: dict[str, PhasorSums] = {
-            layer.name: PhasorSums.zeros(layer.num_phasors, dtype=sums_dtype(device), device=device) for layer in layers
-        }
+        super().__init__(layers, step, device, warn)
         self.weights: dict[str, dict[str, Tensor]] = {}
         self.scale: Optional[float] = None
-        self.stepped = False
         self._open = True
-        self._handles = [layer.module.register_forward_pre_hook(partial(self._pre_hook, layer)) for layer in layers]
+
+    def _zeros(self, layer: MonitoredLayer, **kwargs: Any) -> PhasorSums:
+        return PhasorSums.zeros(layer.num_phasors, **kwargs)
+
+    def _hooks(self, layer: MonitoredLayer) -> list[Any]:
+        return [layer.module.register_forward_pre_hook(partial(self._pre_hook, layer))]
 
     def close(self) -> None:
         """Remove every hook; gradients that still arrive are ignored. Idempotent."""
         self._open = False
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().close()
 
     def _pre_hook(self, layer: MonitoredLayer, module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
         if not args or not torch.is_grad_enabled():
@@ -112,13 +101,8 @@ class Capture:
         return (alias, *args[1:])
 
     def _grad_hook(self, layer: MonitoredLayer, x: Tensor, grad: Tensor) -> None:
-        if not self._open:  # closed before backward reached this layer
-            return
-        try:
-            total = self.sums[layer.name]
-            self.sums[layer.name] = total + phasor_sums(x, grad, layer.spec.channel_dim).to(total.count)
-        except Exception as err:  # noqa: BLE001 - a statistic must never break training
-            self._warn(f"hook:{layer.name}", f"GradientHomogeneityMonitor: layer {layer.name!r}: {err}")
+        if self._open:  # else closed before backward reached this layer
+            self.add(layer, lambda: phasor_sums(x, grad, layer.spec.channel_dim))
 
     def record_weights(self, optimizer: Any) -> None:
         """Weight-gradient figures of the MRS layers whose weight ``optimizer`` is about to step.
@@ -135,9 +119,3 @@ class Capture:
                 and weight.grad is not None and id(weight) in owned
             ):
                 self.weights[layer.name] = weight_grad_stats(weight.grad)
-
-    def reduced(self, reduce: Callable[[Tensor], Tensor]) -> dict[str, PhasorSums]:
-        """The sums after ``reduce`` (e.g. a sum over ranks), applied once to all of them."""
-        named = {(name, field): t for name, sums in self.sums.items() for field, t in sums.as_dict().items()}
-        out = apply_flat(named, reduce)
-        return {name: PhasorSums(**{f: out[(name, f)] for f in PhasorSums.names()}) for name in self.sums}

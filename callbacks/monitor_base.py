@@ -1,6 +1,6 @@
 """``LoggingStepMonitor``: the life cycle the monitors share, around their own statistics.
 
-``GradientHomogeneityMonitor`` and ``AttentionMonitor`` capture on Lightning's logging steps
+``GradientHomogeneityMonitor``, ``AttentionMonitor`` and ``OutlierMonitor`` capture on Lightning's logging steps
 (:mod:`lightning_mrs.callbacks.logging_steps`) so that their figures appear where
 ``self.log``'s do. Around what each one watches and computes, they work alike, and this base
 class is that common part:
@@ -10,7 +10,13 @@ class is that common part:
   warns when the interval exceeds the run; ``on_train_end`` warns when the run ended before
   its first logging step;
 * ``on_train_batch_start`` of a logging batch opens a capture (:meth:`_open_capture`, on the
-  layers :meth:`_discover` finds), after dropping one whose logging batch never ended;
+  layers :meth:`_discover` finds), after dropping one whose logging batch never ended, and arms
+  it (every micro-batch of the logging step);
+* a :attr:`~LoggingStepMonitor.forward_only` monitor (what enters or leaves modules in the
+  forward) finds its layers at ``on_train_start`` (its warnings come then) and disarms its
+  capture as soon as the training forward is over (``on_before_backward``, at the latest
+  ``on_train_batch_end``), so that backward recomputation (activation checkpointing) and
+  validation are never captured;
 * ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
   optimization, every batch under manual) closes it and hands it to :meth:`_finish`;
   an exception or teardown drops it;
@@ -20,8 +26,11 @@ class is that common part:
   without compilation and the figures are those of the eager model (with an interval of 1 every
   batch is a logging batch, so a compiled model never runs compiled: warned once, at the start of
   training or after the first batch for a model compiled in its first step);
-* :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
-  monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`);
+* :meth:`_finish` reduces a closed capture over ranks and logs the figures of the monitor's
+  :attr:`~LoggingStepMonitor.figures_table` (:func:`~lightning_mrs.callbacks.capture.layer_metrics`);
+  :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
+  monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`),
+  those about the layers found in one wording (:meth:`_found`);
 * ``state_dict`` keeps ``n_logs`` and the logging-step count.
 """
 
@@ -29,32 +38,23 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Optional, Protocol, Sequence, TypeVar
+from functools import partial
+from typing import Any, ClassVar, Generic, Mapping, Optional, Sequence, TypeVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mrs.callbacks.capture import eager_while_capturing
+from lightning_mrs.callbacks.capture import LayerCapture, LayerT, eager_while_capturing, layer_metrics, reduce_over_ranks
 from lightning_mrs.callbacks.logging_steps import LoggingSteps
 from lightning_mrs.callbacks.tb_layout import Dashboard, tensorboard_experiment
+from lightning_mrs.sums import Figure
 
-__all__ = ["LoggingStepMonitor", "StepCapture", "check_count", "check_fraction"]
+__all__ = ["LoggingStepMonitor", "check_count", "check_fraction"]
 
-
-class StepCapture(Protocol):
-    """What the base class needs of a capture: its logging step, whether an optimizer stepped
-    since it opened (the subclass sets it), and ``close()`` (remove its hooks; idempotent)."""
-
-    step: int
-    stepped: bool
-
-    def close(self) -> None: ...
-
-
-LayerT = TypeVar("LayerT")
-CaptureT = TypeVar("CaptureT", bound=StepCapture)
+CaptureT = TypeVar("CaptureT", bound=LayerCapture)
 
 
 def check_count(owner: str, name: str, value: Any, none: str = "") -> None:
@@ -74,47 +74,27 @@ def check_fraction(owner: str, name: str, value: Any, meaning: str) -> None:
 class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
     """A callback that captures layers on Lightning's logging steps and logs what it saw.
 
-    A subclass sets :attr:`owner` (its name, which starts every message) and :attr:`board`
-    (its TensorBoard dashboard, whose prefix names its tags in warnings) and implements
-    :meth:`_discover` (the layers to watch, warning about the others), :meth:`_open_capture`
-    and :meth:`_finish` (figures of a closed capture, logged through :meth:`_publish`); it sets
-    ``capture.stepped`` in ``on_before_optimizer_step``.
+    A subclass sets :attr:`owner` (its name, which starts every message), :attr:`board` (its
+    TensorBoard dashboard, whose prefix names its tags in warnings), :attr:`figures_table` and
+    :attr:`seen` (what it logs, see :meth:`_finish`) and :attr:`forward_only`, and implements
+    :meth:`_discover` (the layers to watch, reported through :meth:`_found`) and
+    :meth:`_open_capture`. ``docs/monitors.md#writing-your-own-monitor`` has a complete example.
 
     Args:
         log_every_n_steps: capture on the batches Lightning logs at with this interval;
             ``None`` uses the Trainer's ``log_every_n_steps``.
         include: a regex; only layers whose name matches (``re.search``) are watched.
         dashboard: write the TensorBoard custom-scalars layout of :attr:`board`.
-
-    Example:
-        >>> from torch import nn
-        >>> from lightning_mrs.callbacks.tb_layout import Dashboard
-        >>> class Calls:  # one logging step's capture: forward calls of the watched layers
-        ...     def __init__(self, layers, step):
-        ...         self.step, self.stepped, self.count = step, False, 0
-        ...         self.handles = [m.register_forward_hook(self.hook) for m in layers]
-        ...     def hook(self, *args):
-        ...         self.count += 1
-        ...     def close(self):
-        ...         for handle in self.handles:
-        ...             handle.remove()
-        >>> class LinearCalls(LoggingStepMonitor):
-        ...     owner, board = "LinearCalls", Dashboard("Linear calls", "linear", ())
-        ...     def _discover(self, pl_module):
-        ...         return [m for m in pl_module.modules() if isinstance(m, nn.Linear)]
-        ...     def _open_capture(self, layers, step, pl_module):
-        ...         return Calls(layers, step)
-        ...     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        ...         if self._capture is not None:
-        ...             self._capture.stepped = True
-        ...     def _finish(self, trainer, capture):
-        ...         self._publish(trainer, {"linear/all/calls": float(capture.count)}, capture.step, [])
-        >>> LinearCalls(log_every_n_steps=10).state_dict()
-        {'n_logs': 0, 'batches': 0}
     """
 
     owner: ClassVar[str]
     board: ClassVar[Dashboard]
+    #: figure name -> formula and pooling over layers, logged by :meth:`_finish`
+    figures_table: ClassVar[Mapping[str, Figure]] = {}
+    #: the count field of the sums that says a layer was called on the step (else it is not logged)
+    seen: ClassVar[str] = ""
+    #: the hooks watch the training forward only (disarmed before backward)
+    forward_only: ClassVar[bool] = False
 
     def __init__(self, log_every_n_steps: Optional[int] = None, *, include: Optional[str] = None,
                  dashboard: bool = True) -> None:
@@ -145,9 +125,18 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
     def _open_capture(self, layers: list[LayerT], step: int, pl_module: pl.LightningModule) -> CaptureT:
         """A capture of ``layers`` for logging step ``step``."""
 
-    @abstractmethod
     def _finish(self, trainer: pl.Trainer, capture: CaptureT) -> None:
-        """Reduce a closed capture over ranks and log its figures (:meth:`_publish`)."""
+        """Reduce a closed capture over ranks and log the figures of :attr:`figures_table`."""
+        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
+        metrics = layer_metrics(self.board.tag, capture.layers, sums, self.figures_table, self.seen,
+                                self._figures_of, self.per_layer)
+        self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])
+
+    def _figures_of(self, layer: LayerT) -> Sequence[str]:
+        """The figures of :attr:`figures_table` logged for ``layer`` (default: all)."""
+        return tuple(self.figures_table)
+
+    per_layer = True  # log z-layers/<prefix>/<layer>/* (else <prefix>/all/* only)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -171,13 +160,24 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
             self._warned.add(key)
             rank_zero_warn(message)
 
+    def _found(self, layers: list[LayerT], skipped: Sequence[str], kind: str, which: str) -> list[LayerT]:
+        """``layers``, after warning (once) about the ``skipped`` ones (``"name (Class: reason)"``) and
+        when there is none: ``kind`` is what is watched (``"norm layer"``), ``which`` says which can be."""
+        if skipped:
+            self._warn_once("skipped:" + ";".join(skipped),
+                            f"{self.owner}: not monitoring these {kind}s: " + "; ".join(skipped) + ".")
+        if not layers:
+            self._warn_once("nolayers", f"{self.owner}: the model has no {kind} it can monitor ({which}); "
+                            "nothing will be logged.")
+        return layers
+
     def _drop_capture(self) -> None:
         if self._capture is not None:
             capture, self._capture = self._capture, None
             self._close(capture)
 
     @staticmethod
-    def _close(capture: StepCapture) -> None:
+    def _close(capture: LayerCapture) -> None:
         """Close a capture: its hooks removed, compiled code compiled again (:data:`eager_while_capturing`)."""
         try:
             capture.close()
@@ -231,6 +231,8 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
         self._warn_interval(trainer, LoggingSteps.run_length(trainer), ended=False)
         self._compile_checked = False
         self._warn_always_eager(trainer, pl_module)
+        if self.forward_only:
+            self._discover(pl_module)  # warnings now, not at the first logging step
 
     @override
     def on_train_batch_start(
@@ -240,20 +242,31 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
         capture = self._capture
         if capture is not None and (LoggingSteps.manual(pl_module) or capture.step != step):
             self._drop_capture()  # a capture whose logging batch never ended: discard
-        if self._capture is not None or not (
-            LoggingSteps.is_logging_step(step, self._interval(trainer)) or trainer.should_stop
-        ):
-            return
-        layers = self._discover(pl_module)
-        if layers:
-            self._capture = self._open_capture(layers, step, pl_module)
-            eager_while_capturing.enter()  # hooks on a compiled model fire only in eager code
+        if self._capture is None and (LoggingSteps.is_logging_step(step, self._interval(trainer)) or trainer.should_stop):
+            layers = self._discover(pl_module)
+            if layers:
+                self._capture = self._open_capture(layers, step, pl_module)
+                eager_while_capturing.enter()  # hooks on a compiled model fire only in eager code
+        if self._capture is not None:
+            self._capture.arm()  # every micro-batch of the logging step
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.forward_only and self._capture is not None:
+            self._capture.disarm()  # the training forward is over
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._capture is not None:
+            self._capture.stepped = True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         capture = self._capture
+        if self.forward_only and capture is not None:
+            capture.disarm()  # at the latest; the next micro-batch of a logging step re-arms it
         try:
             # automatic optimization logs the batch that steps; manual logs every batch
             if capture is not None and (capture.stepped or LoggingSteps.manual(pl_module)):

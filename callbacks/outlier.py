@@ -7,45 +7,31 @@ tensors that really enter the norms during training: on logging steps only, a fo
 on every norm layer (:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which)
 reduces its input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
 
-How a logging step works (the steps are Lightning's own,
-:mod:`lightning_mrs.callbacks.logging_steps`: the figures appear where ``self.log``'s do):
-
-1. ``on_train_batch_start``: the norm layers are found and a forward pre-hook goes on each
-   (:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`); each call reduces its
-   input at once (nothing is kept beyond the call).
-2. ``on_before_backward`` (and at the latest ``on_train_batch_end``): the hooks are removed.
-   Only the training forward is captured: not backward recomputation (activation
-   checkpointing), not validation. Micro-batches of gradient accumulation add up.
-3. ``on_train_batch_end`` of the batch Lightning logs: two ``trainer.strategy.reduce`` calls,
-   the step's only collectives (a sum for counts and sums, ``ReduceOp.MAX`` for the maxima),
-   figures on the device, one copy to the host, logged from rank zero through every logger;
-   TensorBoard also gets, once, the "Activation outliers" custom-scalars layout.
-
-Between logging steps no hook is registered and nothing runs but a step-number check. The
-life cycle (arming the hooks for the training forward only, when to open and close a capture,
-logging, warnings, state) is
-:class:`~lightning_mrs.callbacks.forward_monitor.ForwardCaptureMonitor`'s.
+On a logging step (Lightning's own, :mod:`lightning_mrs.callbacks.logging_steps`) the hooks
+(:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`) watch the training forward only;
+under DDP the maxima take ``ReduceOp.MAX`` and the counts add. Between logging steps no hook
+is registered. The life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from functools import partial
 from typing import Optional, Sequence
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
-from lightning_mrs.callbacks.forward_monitor import ForwardCaptureMonitor
-from lightning_mrs.callbacks.outlier_report import OUTLIER, OutlierCapture, WatchedNorm, find_norm_inputs, step_metrics
-from lightning_mrs.outlier_stats import FIGURE_NAMES, RENAMED
+from lightning_mrs.callbacks.capture import display_name
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor
+from lightning_mrs.callbacks.outlier_report import OutlierCapture, WatchedNorm, find_norm_inputs
+from lightning_mrs.callbacks.tb_layout import OUTLIER
+from lightning_mrs.outlier_stats import FIGURE_NAMES, FIGURES, RENAMED
 
 __all__ = ["OutlierMonitor"]
 
 
-class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
+class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
     """Log activation-outlier figures of every norm layer's input as ``z-layers/outlier/<layer>/<figure>``.
 
     Per layer, over the tokens of the logging step's training forward (a token: the ``C``
@@ -82,8 +68,7 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
         >>> trainer = pl.Trainer(callbacks=[OutlierMonitor(figures=["absmax", "rms_share", "mrs_share"])])  # doctest: +SKIP
     """
 
-    owner = "OutlierMonitor"
-    board = OUTLIER
+    owner, board, figures_table, seen, forward_only = "OutlierMonitor", OUTLIER, FIGURES, "tokens", True
 
     def __init__(
         self,
@@ -117,23 +102,14 @@ class OutlierMonitor(ForwardCaptureMonitor[WatchedNorm, OutlierCapture]):
         layers = [layer for layer in found if self._included(layer.name)]
         skipped = [f"{display_name(name) or 'root'} ({type(pl_module.get_submodule(name)).__name__}: {reason})"
                    for name, reason in unwatchable if self._included(display_name(name))]
-        if skipped:
-            self._warn_once("skipped:" + ";".join(skipped),
-                            "OutlierMonitor: cannot watch these norm-like modules: " + "; ".join(skipped) + ".")
-        if not layers:
-            self._warn_once("nolayers", (
-                "OutlierMonitor: the model has no norm layer it can watch (a norm of the swap registry, or a module "
-                "whose class name contains 'Norm' with a 1-d weight or normalized_shape); nothing will be logged."))
-        return layers
+        return self._found(layers, skipped, "norm layer", (
+            "a norm of the swap registry, or a module whose class name contains 'Norm' with a 1-d weight or "
+            "normalized_shape"))
 
     @override
     def _open_capture(self, layers: list[WatchedNorm], step: int, pl_module: pl.LightningModule) -> OutlierCapture:
         return OutlierCapture(layers, step, pl_module.device, self._warn_once)
 
-    # ------------------------------------------------------------------ reduce + log
     @override
-    def _finish(self, trainer: pl.Trainer, capture: OutlierCapture) -> None:
-        sums = capture.reduced(partial(reduce_over_ranks, trainer.strategy))
-        metrics = step_metrics(capture.layers, sums, self.figures, self.per_layer)
-        self._publish(trainer, metrics, capture.step, [layer.name for layer in capture.layers])
-
+    def _figures_of(self, layer: WatchedNorm) -> tuple[str, ...]:
+        return self.figures

@@ -18,11 +18,8 @@ Which modules (:func:`find_norm_inputs`), in ``model.named_modules()`` order, ea
    own. Weight parametrizations (``torch.nn.utils``: weight/spectral norm) normalise weights,
    not activations, and are not considered.
 
-:class:`OutlierCapture` holds the forward pre-hooks of one logging step (:meth:`~OutlierCapture.arm`
-registers them, :meth:`~OutlierCapture.disarm` is the one place that removes them); each
-call reduces its input to :class:`~lightning_mrs.outlier_stats.OutlierSums` at once.
-:func:`step_metrics` turns the sums into ``z-layers/outlier/<layer>/<figure>`` and
-``outlier/all/<figure>`` with one device-to-host copy.
+:class:`OutlierCapture` holds the forward pre-hooks of one logging step; each call reduces its
+input to :class:`~lightning_mrs.outlier_stats.OutlierSums` at once.
 
 Example:
     >>> import torch
@@ -35,34 +32,29 @@ Example:
     >>> capture.arm()
     >>> _ = net(torch.randn(3, 4))
     >>> capture.disarm()
-    >>> step_metrics(layers, capture.sums, ("absmax", "rms_share"))["z-layers/outlier/1/rms_share"] < 1
-    True
+    >>> capture.sums["1"].tokens.item()
+    3.0
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mrs.callbacks.capture import Warn, apply_flat, no_warning, sums_dtype, to_host
-from lightning_mrs.callbacks.tb_layout import OUTLIER
-from lightning_mrs.outlier_stats import OutlierSums, aggregate_figures, defined, outlier_figures, outlier_sums
+from lightning_mrs.callbacks.capture import Layer, LayerCapture
+from lightning_mrs.outlier_stats import OutlierSums, outlier_sums
 from lightning_mrs.swap.probe import looks_like_norm
 from lightning_mrs.swap.registry import norm_spec
 
-__all__ = ["OUTLIER", "OutlierCapture", "WatchedNorm", "find_norm_inputs", "step_metrics"]
-
-Reduce = Callable[[Tensor, str], Tensor]  # (flat tensor, "sum" | "max") -> reduced over ranks
-_COUNTS = ("tokens", "mrs_tokens", "kurtosis_tokens")
-
+__all__ = ["OutlierCapture", "WatchedNorm", "find_norm_inputs"]
 
 
 @dataclass
-class WatchedNorm:
+class WatchedNorm(Layer):
     """A norm layer whose input is watched.
 
     Attributes:
@@ -74,8 +66,6 @@ class WatchedNorm:
         kind: the registry's kind, or ``"by name"`` (rule 2 of the module docstring).
     """
 
-    name: str
-    module: nn.Module
     channel_dim: Optional[int]
     num_channels: Optional[int]
     kind: str
@@ -119,44 +109,17 @@ def find_norm_inputs(model: nn.Module) -> tuple[list[WatchedNorm], list[tuple[st
     return watched, unwatchable
 
 
-class OutlierCapture:
-    """The per-layer statistics of logging step ``step``, and the hooks that collect them.
+class OutlierCapture(LayerCapture[WatchedNorm]):
+    """The per-layer statistics of logging step ``step`` (``OutlierCapture(layers, step, device, warn)``,
+    see :class:`~lightning_mrs.callbacks.capture.LayerCapture`), and the forward pre-hooks that collect them."""
 
-    Args:
-        layers: the layers to watch (names unique).
-        step: the logging step the figures will be logged at.
-        device: where the statistics accumulate (the module's device).
-        warn: ``warn(key, message)`` for problems met in a hook (a statistic never breaks
-            training); ``key`` lets the caller warn once per key.
+    owner = "OutlierMonitor"
 
-    Attributes:
-        sums: layer name -> the statistics so far (calls and micro-batches add up).
-        stepped: an optimizer step happened since the capture opened.
-    """
+    def _zeros(self, layer: WatchedNorm, **kwargs: Any) -> OutlierSums:
+        return OutlierSums.zeros(**kwargs)
 
-    def __init__(self, layers: list[WatchedNorm], step: int, device: torch.device, warn: Warn = no_warning) -> None:
-        self.layers = layers
-        self.step = step
-        self._warn = warn
-        self.sums = {layer.name: OutlierSums.zeros(dtype=sums_dtype(device), device=device) for layer in layers}
-        self.stepped = False
-        self._handles: list[Any] = []
-
-    def arm(self) -> None:
-        """Register the hooks (for one training forward). Idempotent."""
-        if not self._handles:
-            self._handles = [layer.module.register_forward_pre_hook(partial(self._hook, layer), with_kwargs=True)
-                             for layer in self.layers]
-
-    def disarm(self) -> None:
-        """Remove every hook. Idempotent."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def close(self) -> None:
-        """End the capture (the logging step is over or dropped): :meth:`disarm`."""
-        self.disarm()
+    def _hooks(self, layer: WatchedNorm) -> list[Any]:
+        return [layer.module.register_forward_pre_hook(partial(self._hook, layer), with_kwargs=True)]
 
     def _channel_dim(self, layer: WatchedNorm, x: Tensor) -> Optional[int]:
         """Where ``x``'s channels are, or ``None`` (after a warning) when it has none of ``layer``'s."""
@@ -179,49 +142,5 @@ class OutlierCapture:
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.numel() == 0:
             return
         dim = self._channel_dim(layer, x)
-        if dim is None:
-            return
-        try:
-            total = self.sums[layer.name]
-            self.sums[layer.name] = total + outlier_sums(x, dim).to(total.entries)
-        except Exception as err:  # noqa: BLE001 - a statistic must never break training
-            self._warn(f"hook:{layer.name}", f"OutlierMonitor: layer {layer.name or 'root'!r} "
-                       f"({type(module).__name__}) is not watched on this step: {err}")
-
-    def reduced(self, reduce: Reduce) -> dict[str, OutlierSums]:
-        """The statistics over ranks: one ``reduce(flat, "sum")`` for every added field, one
-        ``reduce(flat, "max")`` for every maximum."""
-        out: dict[tuple[str, str], Tensor] = {}
-        for op, names in (("sum", OutlierSums.summed()), ("max", OutlierSums.maxed())):
-            named = {(layer, f): getattr(s, f) for layer, s in self.sums.items() for f in names}
-            out.update(apply_flat(named, lambda flat, op=op: reduce(flat, op)))
-        return {layer: OutlierSums(**{f: out[layer, f] for f in (*OutlierSums.summed(), *OutlierSums.maxed())})
-                for layer in self.sums}
-
-
-def step_metrics(layers: Sequence[WatchedNorm], sums: Mapping[str, OutlierSums], figures: Sequence[str],
-                 per_layer: bool = True) -> dict[str, float]:
-    """``z-layers/outlier/<layer>/<figure>`` (when ``per_layer``) and ``outlier/all/<figure>`` of one
-    logging step, for the ``figures`` asked for.
-
-    Figures are computed on the sums' device and copied to the host once. A layer that saw
-    no token on this step is left out, and so is a figure it does not define
-    (:func:`~lightning_mrs.outlier_stats.defined`: ``mrs_share`` of an odd channel count,
-    ``kurtosis`` without a token of unequal channels).
-    """
-    on_device: dict[tuple[str, str], Tensor] = {}
-    for layer in layers:
-        s = sums[layer.name]
-        on_device.update({(layer.name, f): v for f, v in outlier_figures(s).items() if f in figures})
-        on_device.update({(layer.name, count): getattr(s, count) for count in _COUNTS})
-    if not on_device:
-        return {}
-    host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # one copy
-    rows: dict[str, dict[str, float]] = {}
-    for layer in layers:
-        counts = [host[layer.name, count] for count in _COUNTS]
-        if counts[0] > 0:
-            rows[layer.name] = {f: host[layer.name, f] for f in figures if defined(f, *counts)}
-    metrics = {OUTLIER.tag(name, f): v for name, row in rows.items() for f, v in row.items()} if per_layer else {}
-    metrics.update({OUTLIER.tag("all", f): v for f, v in aggregate_figures(list(rows.values())).items()})
-    return metrics
+        if dim is not None:
+            self.add(layer, lambda: outlier_sums(x, dim))

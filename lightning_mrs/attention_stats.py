@@ -43,32 +43,25 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_mrs.sums import Figure, Sums, max_field, sum_field
+
 __all__ = [
-    "ALL_FIGURE_NAMES",
-    "FIGURE_NAMES",
+    "FIGURES",
     "LAYOUTS",
     "AttentionSums",
-    "aggregate_figures",
     "attention_figures",
     "attention_sums",
     "per_head",
     "query_sample",
 ]
 
-#: The keys of :func:`attention_figures` (and of :func:`aggregate_figures`).
-FIGURE_NAMES: tuple[str, ...] = (
-    "logit_max", "entropy_mean", "entropy_min", "collapsed_frac", "q_norm_mean", "k_norm_mean",
-)
-#: The ``attention/all`` figures: worst layer for these, mean over layers for the rest.
-ALL_FIGURE_NAMES = FIGURE_NAMES
-_WORST = ("logit_max", "collapsed_frac")
 #: The q/k layouts :func:`per_head` understands (:attr:`lightning_mrs.swap.AttentionInfo.layout`).
 LAYOUTS: tuple[str, ...] = ("BHND", "BNHD", "(BH)ND", "BN(HD)")
 
@@ -125,7 +118,7 @@ def query_sample(batch: int, length: int, max_queries: Optional[int], device: to
 
 
 @dataclass(frozen=True)
-class AttentionSums:
+class AttentionSums(Sums):
     """One layer's attention sums (see the module docstring); they add with ``+``.
 
     Attributes:
@@ -144,39 +137,17 @@ class AttentionSums:
         (6.0, torch.Size([2]))
     """
 
-    entropy: Tensor
-    queries: Tensor
-    collapsed: Tensor
-    q_norm: Tensor
-    k_norm: Tensor
-    keys: Tensor
-    logit_max: Tensor
-
-    @staticmethod
-    def summed() -> tuple[str, ...]:
-        """The fields that add across calls and ranks (all but ``logit_max``)."""
-        return tuple(f.name for f in fields(AttentionSums) if f.name != "logit_max")
-
-    @classmethod
-    def zeros(cls, num_heads: int, *, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None,
-              ) -> "AttentionSums":
-        """Empty sums of ``num_heads`` heads (the start of an accumulation)."""
-        scalar = torch.zeros((), dtype=dtype, device=device)
-        return cls(torch.zeros(num_heads, dtype=dtype, device=device), *(scalar.clone() for _ in range(6)))
+    entropy: Tensor = sum_field(vector=True)
+    queries: Tensor = sum_field()
+    collapsed: Tensor = sum_field()
+    q_norm: Tensor = sum_field()
+    k_norm: Tensor = sum_field()
+    keys: Tensor = sum_field()
+    logit_max: Tensor = max_field()
 
     @property
     def num_heads(self) -> int:
         return self.entropy.shape[0]
-
-    def to(self, like: Tensor) -> "AttentionSums":
-        """The sums in ``like``'s dtype and device."""
-        return AttentionSums(**{f.name: getattr(self, f.name).to(like) for f in fields(self)})
-
-    def __add__(self, other: "AttentionSums") -> "AttentionSums":
-        if other.num_heads != self.num_heads:
-            raise ValueError(f"AttentionSums: cannot add {other.num_heads} heads to {self.num_heads}.")
-        added = {name: getattr(self, name) + getattr(other, name) for name in self.summed()}
-        return AttentionSums(**added, logit_max=torch.maximum(self.logit_max, other.logit_max))
 
 
 def attention_sums(
@@ -239,10 +210,24 @@ def attention_sums(
         )
 
 
-def attention_figures(sums: AttentionSums) -> dict[str, Tensor]:
-    """The figures of :data:`FIGURE_NAMES` (0-d tensors on the sums' device) from ``sums``.
+def _rows(sums: AttentionSums) -> Tensor:
+    return (sums.queries * sums.num_heads).clamp_min(1)  # attention rows: queries x heads
 
-    Meaningless when ``sums.queries == 0`` (nothing captured): the caller skips such layers.
+
+#: name -> formula and ``attention/all`` pooling: the worst layer's ``logit_max`` and ``collapsed_frac``,
+#: the mean over layers of the rest. Meaningless when ``queries == 0`` (nothing captured): such layers are skipped.
+FIGURES: dict[str, Figure] = {
+    "logit_max": Figure(lambda s: s.logit_max, "max"),
+    "entropy_mean": Figure(lambda s: s.entropy.sum() / _rows(s)),
+    "entropy_min": Figure(lambda s: (s.entropy / s.queries.clamp_min(1)).min()),
+    "collapsed_frac": Figure(lambda s: s.collapsed / _rows(s), "max"),
+    "q_norm_mean": Figure(lambda s: s.q_norm / _rows(s)),
+    "k_norm_mean": Figure(lambda s: s.k_norm / s.keys.clamp_min(1)),
+}
+
+
+def attention_figures(sums: AttentionSums) -> dict[str, Tensor]:
+    """The figures of :data:`FIGURES` (0-d tensors on the sums' device) from ``sums``.
 
     Example:
         >>> q = k = torch.zeros(2, 4, 8, 16)  # uniform attention over 8 keys
@@ -250,24 +235,4 @@ def attention_figures(sums: AttentionSums) -> dict[str, Tensor]:
         >>> round(figures["entropy_mean"].item(), 4), figures["collapsed_frac"].item()
         (2.0794, 0.0)
     """
-    rows = (sums.queries * sums.num_heads).clamp_min(1)  # attention rows: queries x heads
-    return {
-        "logit_max": sums.logit_max,
-        "entropy_mean": sums.entropy.sum() / rows,
-        "entropy_min": (sums.entropy / sums.queries.clamp_min(1)).min(),
-        "collapsed_frac": sums.collapsed / rows,
-        "q_norm_mean": sums.q_norm / rows,
-        "k_norm_mean": sums.k_norm / sums.keys.clamp_min(1),
-    }
-
-
-def aggregate_figures(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """``attention/all``: the worst layer's ``logit_max`` and ``collapsed_frac``, the mean over
-    layers of every other figure (over the layers whose dict has it)."""
-    out: dict[str, Tensor] = {}
-    for name in FIGURE_NAMES:
-        values = [row[name] for row in rows if name in row]
-        if values:
-            stacked = torch.stack(values)  # (layers,)
-            out[name] = stacked.amax() if name in _WORST else stacked.mean()
-    return out
+    return {name: figure.formula(sums) for name, figure in FIGURES.items()}

@@ -42,7 +42,7 @@ zeros counts as perfectly even (``rms_share = 1/C``, ``mrs_share = 1/P``, ``outl
 = 1``); a zero median under a non-zero maximum gives ``outlier_ratio =``
 :data:`~lightning_mrs.stats.RATIO_CAP`; a token whose channels are all equal (zeros included,
 ``C = 1`` always) has no kurtosis and is left out of its mean (:attr:`OutlierSums.kurtosis_tokens`).
-:func:`outlier_figures` leaves out ``mrs_share`` when no token had an even ``C``, and
+The monitor leaves out ``mrs_share`` (:data:`FIGURES`: its ``needs``) when no token had an even ``C``, and
 ``kurtosis`` when no token had one.
 
 Example:
@@ -56,40 +56,34 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lightning_mrs.stats import RATIO_CAP
+from lightning_mrs.sums import Figure, Sums, max_field, sum_field
 
 __all__ = [
+    "FIGURES",
     "FIGURE_NAMES",
     "FP16_SQUARE_OVERFLOW",
     "OutlierSums",
     "RENAMED",
-    "aggregate_figures",
-    "defined",
     "outlier_figures",
     "outlier_sums",
 ]
 
-#: The figures :func:`outlier_figures` gives (some may be left out, see the module docstring).
-FIGURE_NAMES: tuple[str, ...] = (
-    "absmax", "rms_share", "mrs_share", "outlier_ratio", "x2_over_fp16_frac", "kurtosis", "nonfinite",
-)
 #: old figure name -> its name now (the value is the same): OutlierMonitor(figures=...) takes the old one
 #: with a warning, and the TensorBoard layout charts both tags, so runs logged before the rename line up.
 RENAMED: dict[str, str] = {"fp16_overflow_frac": "x2_over_fp16_frac"}
 #: ``|x|`` from which ``x * x`` rounds to Inf in float16 (65504 is its largest finite value;
 #: a product rounds up to Inf from halfway to the next power step, 65520).
 FP16_SQUARE_OVERFLOW = math.sqrt(65520.0)
-_MAXED = ("absmax", "rms_share", "mrs_share", "outlier_ratio")
 
 
 @dataclass(frozen=True)
-class OutlierSums:
+class OutlierSums(Sums):
     """One layer's reduced input statistics; they combine with ``+`` (maximum or sum per field).
 
     Every field is a 0-d tensor. Taken with the maximum: ``absmax``, ``rms_share``,
@@ -105,41 +99,17 @@ class OutlierSums:
         nonfinite: NaN/Inf entries.
     """
 
-    absmax: Tensor
-    rms_share: Tensor
-    mrs_share: Tensor
-    outlier_ratio: Tensor
-    overflow: Tensor
-    entries: Tensor
-    kurtosis_sum: Tensor
-    kurtosis_tokens: Tensor
-    mrs_tokens: Tensor
-    tokens: Tensor
-    nonfinite: Tensor
-
-    @staticmethod
-    def maxed() -> tuple[str, ...]:
-        """The fields that combine with the maximum."""
-        return _MAXED
-
-    @staticmethod
-    def summed() -> tuple[str, ...]:
-        """The fields that add."""
-        return tuple(f.name for f in fields(OutlierSums) if f.name not in _MAXED)
-
-    @classmethod
-    def zeros(cls, *, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None) -> "OutlierSums":
-        """Empty statistics (the start of an accumulation)."""
-        return cls(*(torch.zeros((), dtype=dtype, device=device) for _ in fields(cls)))
-
-    def to(self, like: Tensor) -> "OutlierSums":
-        """The statistics in ``like``'s dtype and device."""
-        return OutlierSums(**{f.name: getattr(self, f.name).to(like) for f in fields(self)})
-
-    def __add__(self, other: "OutlierSums") -> "OutlierSums":
-        out = {name: torch.maximum(getattr(self, name), getattr(other, name)) for name in self.maxed()}
-        out.update({name: getattr(self, name) + getattr(other, name) for name in self.summed()})
-        return OutlierSums(**out)
+    absmax: Tensor = max_field()
+    rms_share: Tensor = max_field()
+    mrs_share: Tensor = max_field()
+    outlier_ratio: Tensor = max_field()
+    overflow: Tensor = sum_field()
+    entries: Tensor = sum_field()
+    kurtosis_sum: Tensor = sum_field()
+    kurtosis_tokens: Tensor = sum_field()
+    mrs_tokens: Tensor = sum_field()
+    tokens: Tensor = sum_field()
+    nonfinite: Tensor = sum_field()
 
 
 def _tokens(x: Tensor, channel_dim: int) -> Tensor:
@@ -236,41 +206,23 @@ def _median(a: Tensor) -> Tensor:
     return smallest.topk(2, dim=-1).values.mean(-1)  # the two middle values
 
 
+#: name -> formula, ``outlier/all`` pooling (the worst layer; ``nonfinite`` summed) and the count it
+#: needs (``mrs_share``: an even channel count; ``kurtosis``: a token of unequal channels). A layer that
+#: saw no token (``tokens == 0``) has none of them.
+FIGURES: dict[str, Figure] = {
+    "absmax": Figure(lambda s: s.absmax, "max"),
+    "rms_share": Figure(lambda s: s.rms_share, "max"),
+    "mrs_share": Figure(lambda s: s.mrs_share, "max", needs="mrs_tokens"),
+    "outlier_ratio": Figure(lambda s: s.outlier_ratio, "max"),
+    "x2_over_fp16_frac": Figure(lambda s: s.overflow / s.entries.clamp_min(1), "max"),
+    "kurtosis": Figure(lambda s: s.kurtosis_sum / s.kurtosis_tokens.clamp_min(1), "max", needs="kurtosis_tokens"),
+    "nonfinite": Figure(lambda s: s.nonfinite, "sum"),
+}
+#: The figures :data:`FIGURES` gives, in their documented order.
+FIGURE_NAMES: tuple[str, ...] = tuple(FIGURES)
+
+
 def outlier_figures(sums: OutlierSums) -> dict[str, Tensor]:
-    """The figures of :data:`FIGURE_NAMES` (0-d tensors on the sums' device) from ``sums``.
-
-    Every figure is given; which ones mean something is on the host side: ``mrs_share``
-    only when ``sums.mrs_tokens > 0``, ``kurtosis`` only when ``sums.kurtosis_tokens > 0``,
-    any of them only when ``sums.tokens > 0`` (:func:`defined`).
-    """
-    return {
-        "absmax": sums.absmax,
-        "rms_share": sums.rms_share,
-        "mrs_share": sums.mrs_share,
-        "outlier_ratio": sums.outlier_ratio,
-        "x2_over_fp16_frac": sums.overflow / sums.entries.clamp_min(1),
-        "kurtosis": sums.kurtosis_sum / sums.kurtosis_tokens.clamp_min(1),
-        "nonfinite": sums.nonfinite,
-    }
-
-
-def defined(figure: str, tokens: float, mrs_tokens: float, kurtosis_tokens: float) -> bool:
-    """Whether ``figure`` means something for a layer with these counts (host floats)."""
-    if tokens <= 0:
-        return False
-    if figure == "mrs_share":
-        return mrs_tokens > 0
-    if figure == "kurtosis":
-        return kurtosis_tokens > 0
-    return True
-
-
-def aggregate_figures(rows: Sequence[dict[str, float]]) -> dict[str, float]:
-    """``outlier/all``: the worst layer (the maximum over the layers that have the figure) of
-    every figure, the sum over layers of ``nonfinite``."""
-    out: dict[str, float] = {}
-    for name in FIGURE_NAMES:
-        values = [row[name] for row in rows if name in row]
-        if values:
-            out[name] = sum(values) if name == "nonfinite" else max(values)
-    return out
+    """Every figure of :data:`FIGURES` (0-d tensors on the sums' device) from ``sums``; which ones
+    mean something is on the host side (:attr:`Figure.needs`, and ``tokens > 0``)."""
+    return {name: figure.formula(sums) for name, figure in FIGURES.items()}

@@ -33,13 +33,14 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Mapping, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from lightning_mrs.ops.validation import phasor_channel_dim
+from lightning_mrs.sums import Sums, sum_field
 
 __all__ = [
     "ALL_STAT_NAMES",
@@ -92,7 +93,7 @@ Number = Union[float, int, Tensor]
 
 
 @dataclass(frozen=True)
-class PhasorSums:
+class PhasorSums(Sums):
     """One layer's per-phasor sums (see the module docstring); they add with ``+``.
 
     Attributes:
@@ -104,53 +105,19 @@ class PhasorSums:
 
     Example:
         >>> a = PhasorSums.zeros(2)
-        >>> (a + a).grad_sq.shape, a.as_dict().keys() == {f for f in PhasorSums.names()}
-        (torch.Size([2]), True)
+        >>> (a + a).grad_sq.shape, a.num_phasors
+        (torch.Size([2]), 2)
     """
 
-    grad_sq: Tensor
-    radial_sq: Tensor
-    act_abs: Tensor
-    count: Tensor
-    nonfinite: Tensor
-
-    def __post_init__(self) -> None:
-        p = tuple(self.grad_sq.shape)
-        if len(p) != 1 or self.radial_sq.shape != p or self.act_abs.shape != p or self.count.ndim or self.nonfinite.ndim:
-            raise ValueError(
-                "PhasorSums: grad_sq, radial_sq and act_abs must be (P,) vectors and count, nonfinite 0-d; got "
-                + ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.as_dict().items())
-                + "."
-            )
-
-    @staticmethod
-    def names() -> tuple[str, ...]:
-        """The field names, in declaration order."""
-        return tuple(f.name for f in fields(PhasorSums))
-
-    @classmethod
-    def zeros(cls, num_phasors: int, *, dtype: torch.dtype = torch.float64, device: Optional[torch.device] = None) -> "PhasorSums":
-        """Empty sums of ``num_phasors`` phasors (the start of an accumulation)."""
-        vec = torch.zeros(num_phasors, dtype=dtype, device=device)  # (P,)
-        scalar = torch.zeros((), dtype=dtype, device=device)
-        return cls(vec, vec.clone(), vec.clone(), scalar, scalar.clone())
+    grad_sq: Tensor = sum_field(vector=True)
+    radial_sq: Tensor = sum_field(vector=True)
+    act_abs: Tensor = sum_field(vector=True)
+    count: Tensor = sum_field()
+    nonfinite: Tensor = sum_field()
 
     @property
     def num_phasors(self) -> int:
         return self.grad_sq.shape[0]
-
-    def as_dict(self) -> dict[str, Tensor]:
-        """Field name -> tensor."""
-        return {name: getattr(self, name) for name in self.names()}
-
-    def to(self, *args: object, **kwargs: object) -> "PhasorSums":
-        """Every field through ``Tensor.to(*args, **kwargs)``."""
-        return PhasorSums(**{k: v.to(*args, **kwargs) for k, v in self.as_dict().items()})
-
-    def __add__(self, other: "PhasorSums") -> "PhasorSums":
-        if not isinstance(other, PhasorSums):
-            return NotImplemented
-        return PhasorSums(**{k: v + getattr(other, k) for k, v in self.as_dict().items()})
 
 
 def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> PhasorSums:

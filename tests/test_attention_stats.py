@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from helpers.reference import attention_ref
-from lightning_mrs.attention_stats import (
-    AttentionSums, aggregate_figures, attention_figures, attention_sums, per_head, query_sample,
-)
+from lightning_mrs.attention_stats import FIGURES as TABLE
+from lightning_mrs.attention_stats import AttentionSums, attention_figures, attention_sums, per_head, query_sample
+from lightning_mrs.sums import pool
 
 FIGURES = ("logit_max", "entropy_mean", "entropy_min", "collapsed_frac", "q_norm_mean", "k_norm_mean")
 TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5),
@@ -129,9 +129,9 @@ def test_query_sample_is_the_documented_rule(batch: int, length: int, max_querie
 
 
 def test_aggregate_takes_the_worst_layer_and_the_mean() -> None:
-    rows = [{name: torch.tensor(float(i + 1) * (j + 1)) for j, name in enumerate(FIGURES)} for i in range(3)]
+    rows = [{name: float(i + 1) * (j + 1) for j, name in enumerate(FIGURES)} for i in range(3)]
     del rows[0]["q_norm_mean"]  # a layer without QK-norm has no norm figures
-    agg = {k: v.item() for k, v in aggregate_figures(rows).items()}
+    agg = pool(TABLE, rows)
     assert agg["logit_max"] == 3.0 and agg["collapsed_frac"] == 12.0  # worst layer
     assert agg["entropy_mean"] == 4.0 and agg["entropy_min"] == 6.0  # mean of 1,2,3 times 2 or 3
     assert agg["q_norm_mean"] == pytest.approx((2 + 3) * 5 / 2)  # mean over the layers that have it

@@ -11,9 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.outliers import outlier_ref
-from lightning_mrs.outlier_stats import (
-    FIGURE_NAMES, FP16_SQUARE_OVERFLOW, OutlierSums, aggregate_figures, defined, outlier_figures, outlier_sums,
-)
+from lightning_mrs.outlier_stats import FIGURE_NAMES, FIGURES, FP16_SQUARE_OVERFLOW, OutlierSums, outlier_figures, outlier_sums
+from lightning_mrs.sums import pool
 from lightning_mrs.stats import RATIO_CAP
 
 #: (rel, abs) of a figure computed from a float32/float64 input against the float64 reference
@@ -23,8 +22,8 @@ TOLS = {torch.float64: (1e-9, 1e-12), torch.float32: (2e-5, 1e-6)}
 def figures(x: torch.Tensor, channel_dim: int = -1, **kw) -> dict[str, float]:
     """The figures the monitor would log for one input (the undefined ones left out)."""
     s = outlier_sums(x, channel_dim, **kw)
-    counts = (s.tokens.item(), s.mrs_tokens.item(), s.kurtosis_tokens.item())
-    return {f: v.item() for f, v in outlier_figures(s).items() if defined(f, *counts)}
+    return {f: v.item() for f, v in outlier_figures(s).items() if s.tokens.item() > 0
+            and (FIGURES[f].needs is None or getattr(s, FIGURES[f].needs).item() > 0)}
 
 
 def assert_matches(got: dict[str, float], ref: dict[str, float], rel: float, abs: float) -> None:
@@ -134,9 +133,9 @@ def test_chunks_and_splits_add_up_to_one_call() -> None:
     chunked = outlier_sums(x, chunk_entries=30)  # 3 tokens a chunk
     split = outlier_sums(x[:20]) + outlier_sums(x[20:])
     for other in (chunked, split):
-        for name in OutlierSums.maxed():
+        for name in OutlierSums.reduced_by("max"):
             assert getattr(other, name).item() == getattr(whole, name).item(), name
-        for name in OutlierSums.summed():
+        for name in OutlierSums.reduced_by("sum"):
             assert getattr(other, name).item() == pytest.approx(getattr(whole, name).item(), rel=1e-12), name
 
 
@@ -149,8 +148,8 @@ def test_bad_channel_dim() -> None:
 
 def test_aggregate_takes_the_worst_layer_and_sums_nonfinite() -> None:
     rows = [{"absmax": 3.0, "mrs_share": 0.5, "nonfinite": 1.0}, {"absmax": 7.0, "nonfinite": 2.0}]
-    assert aggregate_figures(rows) == {"absmax": 7.0, "mrs_share": 0.5, "nonfinite": 3.0}
-    assert set(FIGURE_NAMES) >= aggregate_figures(rows).keys()
+    assert pool(FIGURES, rows) == {"absmax": 7.0, "mrs_share": 0.5, "nonfinite": 3.0}
+    assert set(FIGURE_NAMES) >= pool(FIGURES, rows).keys()
 
 
 @settings(max_examples=60, deadline=None)

@@ -174,7 +174,10 @@ def test_real_layers_figures_match_their_own_softmax(kind: str) -> None:
     """The weights each layer's unfused path computes (seen by a hook on its attn_drop) against
     the monitor's capture of the same forward: the layout, head and key-head handling."""
     from lightning_mrs import iter_attention_layers
-    from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, step_metrics
+    from lightning_mrs.attention_stats import FIGURES as TABLE
+    from lightning_mrs.callbacks.attention_report import AttentionCapture, WatchedLayer, figures_of
+    from lightning_mrs.callbacks.capture import layer_metrics
+    from lightning_mrs.callbacks.tb_layout import ATTENTION
 
     layer, x = real_layer(kind)
     layer.fused_attn = False
@@ -186,7 +189,7 @@ def test_real_layers_figures_match_their_own_softmax(kind: str) -> None:
     with torch.no_grad():
         layer(x)
     capture.disarm()
-    got = step_metrics([found], capture.sums)
+    got = layer_metrics(ATTENTION.tag, [found], capture.sums, TABLE, "queries", figures_of)
     (weights,) = seen  # (B, H, N, N); SAM: (B*H, N, N)
     weights = weights.reshape(x.shape[0], found.info.num_heads, *weights.shape[-2:])
     entropy = torch.special.entr(weights).sum(-1)  # (B, H, N)

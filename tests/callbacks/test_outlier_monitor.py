@@ -72,7 +72,10 @@ def test_figures_match_direct_float64(recording_logger: RecordingLogger, batchno
 def test_a_transformers_llama_is_watched_by_its_own_norms() -> None:
     """LlamaRMSNorm (the model's own class): every instance watched, figures as float64 gives them."""
     transformers = pytest.importorskip("transformers")
-    from lightning_mrs.callbacks.outlier_report import OutlierCapture, find_norm_inputs, step_metrics
+    from lightning_mrs.callbacks.capture import layer_metrics
+    from lightning_mrs.callbacks.outlier_report import OutlierCapture, find_norm_inputs
+    from lightning_mrs.callbacks.tb_layout import OUTLIER
+    from lightning_mrs.outlier_stats import FIGURES
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
@@ -88,7 +91,7 @@ def test_a_transformers_llama_is_watched_by_its_own_norms() -> None:
     capture.arm()
     model(ids)
     capture.disarm()
-    got = step_metrics(layers, capture.sums, FIGURE_NAMES)
+    got = layer_metrics(OUTLIER.tag, layers, capture.sums, FIGURES, "tokens", lambda layer: FIGURE_NAMES)
     ref = planted_reference(model, ids, {name: -1 for name in names}, prefix="")
     for layer, row in ref.items():
         for figure, value in row.items():
@@ -262,7 +265,7 @@ def test_norm_like_modules_it_cannot_watch_are_named(recording_logger: Recording
         warnings.simplefilter("always")
         fit(TinyModule(odd_net), steps=2, logger=recording_logger, callbacks=[OutlierMonitor()])
     messages = [str(w.message) for w in caught if str(w.message).startswith("OutlierMonitor")]
-    (skipped,) = [m for m in messages if "cannot watch these norm-like modules" in m]
+    (skipped,) = [m for m in messages if "not monitoring these norm layers" in m]
     assert "net.2 (WeirdNorm: no 1-d weight or normalized_shape" in skipped
     assert "net.5 (LayerNorm: its normalized_shape (4, 5) spans 2 dims" in skipped
     assert "PreNorm" not in skipped and "parametriz" not in skipped.lower() and "_WeightNorm" not in skipped
@@ -300,7 +303,7 @@ def test_model_without_norms_warns_once_logs_nothing(recording_logger: Recording
         warnings.simplefilter("always")
         fit(TinyModule(lambda: nn.Sequential(nn.Flatten(), nn.Linear(105, 5))), steps=3, logger=recording_logger,
             callbacks=[OutlierMonitor()])
-    assert len([w for w in caught if "no norm layer it can watch" in str(w.message)]) == 1
+    assert len([w for w in caught if "no norm layer it can monitor" in str(w.message)]) == 1
     assert not outlier_tags(recording_logger)
 
 
