@@ -1,0 +1,465 @@
+"""The exit matrix (issue 61 §1): every way a swapped model leaves our code and comes back.
+
+Each row is EQUAL to the unswapped path (the saved model's logits, ``torch.equal``; ``allclose`` only
+where the host path itself runs other arithmetic, said in the row) or REFUSED before anything is
+built. Rows that an existing test already holds are not repeated here: docs/exits.md lists every
+row with the test node that checks it, and :func:`test_every_test_named_in_docs_exits_exists` keeps
+that page honest. Rows marked ``xfail(strict=True, reason="issue 61 case N")`` are the defects being
+fixed in other branches; ``reason="new: ..."`` marks a silent exit found while writing the matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.exits import (CASES, REFUSED, Built, Logits, build, equal_or_refused, fresh, logits_of, small_net, swap,
+                           trained)
+from helpers.hf import tiny_causal_lm, tiny_config, token_batch, transformers
+from lightning_mrs import from_pretrained, swap_norms
+
+ROOT = Path(__file__).resolve().parents[1]
+slow = pytest.mark.slow
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
+                                        "ignore::torch.jit.TracerWarning")
+
+
+def _xfail(case: int) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"issue 61 case {case}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_transformers():
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.utils.logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``built(case)``: the case built and saved once per module (see helpers/exits.py)."""
+    root, cache = tmp_path_factory.mktemp("exits"), {}
+
+    def get(case: str) -> Built:
+        if case not in cache:
+            cache[case] = build(case, root)
+        return cache[case]
+
+    return get
+
+
+# ---- save_pretrained + a loader: the saved model's logits -------------------------------------------------------
+
+
+def _auto_trust(b: Built) -> torch.Tensor:
+    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True))
+
+
+def _lightning_mrs(b: Built) -> torch.Tensor:
+    return logits_of(from_pretrained(b.path, attn_implementation="eager"))
+
+
+def _device_map_cpu(b: Built) -> torch.Tensor:
+    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True, device_map="cpu"))
+
+
+def _init_empty_weights(b: Built) -> torch.Tensor:
+    """accelerate's big-model load: the swapped class built on the meta device, then the weights dispatched."""
+    accelerate = pytest.importorskip("accelerate")
+    config = transformers.AutoConfig.from_pretrained(b.path, trust_remote_code=True)
+    with accelerate.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    empty.tie_weights()  # as accelerate's docs say (Gemma ties its head to its embedding)
+    return logits_of(accelerate.load_checkpoint_and_dispatch(empty, str(b.path), device_map={"": "cpu"}))
+
+
+LOADERS = {"auto_trust": _auto_trust, "lightning_mrs": _lightning_mrs, "device_map_cpu": _device_map_cpu,
+           "init_empty_weights": _init_empty_weights}
+#: (case, loader) rows not held by tests/swap/test_hf_custom_format.py and tests/test_pretrained*.py
+LOADER_ROWS = [
+    *[(case, "auto_trust") for case in ("llama-rms-half", "llama-layer", "llama-dyt", "gemma-mrs", "gemma-rms-half")],
+    *[(case, "lightning_mrs") for case in ("llama-dyt", "gemma-rms-half")],
+    *[(case, "device_map_cpu") for case in ("llama-dyt", "gemma-rms-half")],
+    *[(case, "init_empty_weights") for case in ("llama-mrs", "gemma-rms-half", "qwen3-mrs")],
+]
+
+
+@pytest.mark.parametrize(("case", "loader"), LOADER_ROWS, ids=[f"{c}-{ld}" for c, ld in LOADER_ROWS])
+def test_loader(built, case, loader):
+    b = built(case)
+    assert torch.equal(LOADERS[loader](b), b.logits)
+
+
+@pytest.mark.parametrize("case", ["llama-dyt", "gemma-rms-half"])
+def test_auto_without_trust_remote_code_is_refused(built, case):
+    with pytest.raises(ValueError, match=r"contains custom code which must be executed(.|\n)*trust_remote_code=True"):
+        transformers.AutoModelForCausalLM.from_pretrained(built(case).path)
+
+
+def test_another_head_with_trust_remote_code(built):
+    """AutoModelForSequenceClassification of a causal LM's directory: the same body (hidden states)."""
+    for case in ("gemma-rms-half", "qwen3-mrs"):
+        b = built(case)
+        head = transformers.AutoModelForSequenceClassification.from_pretrained(b.path, trust_remote_code=True,
+                                                                               attn_implementation="eager")
+        with torch.no_grad():
+            assert torch.equal(head.model(token_batch()).last_hidden_state, b.hidden(token_batch())), case
+
+
+#: the family's own maths: its plain class may load these equal (and then must carry no record)
+SAME_MATHS = {"llama-rms", "llama-rms-half", "gemma-rms"}
+FAMILY_ROWS = [pytest.param(case, marks=_xfail(2 if case in SAME_MATHS else 1)) for case in CASES]
+
+
+@pytest.mark.parametrize("case", FAMILY_ROWS)
+def test_the_familys_own_class(built, tmp_path, case):
+    """``LlamaForCausalLM.from_pretrained(d)`` (no remote code): other maths are refused in one line;
+    the family's own maths load equal as a plain model whose config has no record, whose save loads plain."""
+    b = built(case)
+    own = type(b.model).__mro__[1]  # LightningMRSLlamaForCausalLM -> LlamaForCausalLM
+    assert own.__module__.startswith("transformers.")
+    if case not in SAME_MATHS:
+        with pytest.raises(Exception, match=REFUSED) as err:
+            own.from_pretrained(b.path)
+        assert "\n" not in str(err.value).strip()
+        return
+
+    def load() -> torch.Tensor:
+        plain = own.from_pretrained(b.path)
+        saved = plain.config.to_dict()
+        assert plain.config.model_type == b.family and "lightning_mrs" not in saved and not saved.get("auto_map")
+        assert torch.equal(logits_of(plain), b.logits)
+        plain.save_pretrained(tmp_path)
+        return logits_of(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+
+    equal_or_refused(load, b.logits)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_xfail(1)) for c in ("llama-dyt", "gemma-rms-half")])
+def test_the_familys_own_head_class(built, case):
+    """``LlamaForSequenceClassification.from_pretrained(d)``: the family's class of another head."""
+    b = built(case)
+    head = getattr(transformers, type(b.model).__mro__[1].__name__.replace("CausalLM", "SequenceClassification"))
+    with pytest.raises(Exception, match=REFUSED) as err:
+        head.from_pretrained(b.path)
+    assert "\n" not in str(err.value).strip()
+
+
+# ---- PEFT: LoRA adapters on the swapped base --------------------------------------------------------------------
+
+PEFT_ROWS = [("llama-mrs", "peft_model"), ("gemma-rms-half", "peft_model"), ("gemma-rms-half", "auto_peft_model"),
+             pytest.param("llama-mrs", "auto_peft_model_no_task_type", marks=_xfail(7))]
+
+
+@pytest.mark.parametrize(("case", "loader"), PEFT_ROWS)
+def test_peft(built, tmp_path, case, loader):
+    peft = pytest.importorskip("peft")
+    b = built(case)
+    task = {} if loader.endswith("no_task_type") else dict(task_type="CAUSAL_LM")
+    lora = peft.get_peft_model(from_pretrained(b.path, attn_implementation="eager"),
+                               peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **task))
+    lora.save_pretrained(tmp_path)
+    expected = logits_of(lora)
+    if loader == "peft_model":
+        loaded = peft.PeftModel.from_pretrained(from_pretrained(b.path, attn_implementation="eager"), tmp_path)
+    else:
+        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True,
+                                                                attn_implementation="eager")
+    assert torch.equal(logits_of(loaded), expected)
+
+
+# ---- in memory: state dicts, copies, pickles --------------------------------------------------------------------
+
+
+def _state_dict(b: Built, tmp_path: Path) -> torch.nn.Module:
+    again = fresh(b.case)
+    again.load_state_dict(b.model.state_dict())  # strict
+    return again
+
+
+def _pickle_then_save_pretrained(b: Built, tmp_path: Path) -> torch.nn.Module:
+    pickle.loads(pickle.dumps(b.model)).save_pretrained(tmp_path)  # the record is read off the unpickled modules
+    return from_pretrained(tmp_path, attn_implementation="eager")
+
+
+def _torch_save(b: Built, tmp_path: Path) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(b.model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {"state_dict": _state_dict, "deepcopy": lambda b, _: copy.deepcopy(b.model),
+          "pickle": lambda b, _: pickle.loads(pickle.dumps(b.model)), "torch_save": _torch_save,
+          "pickle_then_save_pretrained": _pickle_then_save_pretrained}
+#: llama-mrs deepcopy/pickle: tests/swap/test_hf_custom_format.py::test_a_swapped_model_pickles_and_copies_as_its_class
+COPY_ROWS = [("llama-mrs", "torch_save"), ("llama-mrs", "state_dict"), ("llama-mrs", "pickle_then_save_pretrained"),
+             *[(case, how) for case in ("llama-layer", "llama-dyt", "gemma-rms-half", "qwen3-mrs", "llama-qk")
+               for how in ("state_dict", "deepcopy", "pickle", "torch_save")]]
+
+
+@pytest.mark.parametrize(("case", "how"), COPY_ROWS, ids=[f"{c}-{h}" for c, h in COPY_ROWS])
+def test_in_memory(built, tmp_path, case, how):
+    b = built(case)
+    again = COPIES[how](b, tmp_path)
+    assert type(again) is type(b.model) or how == "pickle_then_save_pretrained"
+    assert [type(m).__name__ for m in again.modules()] == [type(m).__name__ for m in b.model.modules()]
+    assert torch.equal(logits_of(again), b.logits)
+
+
+#: torch's strict load_state_dict into the family's unswapped model: refused by torch where a key or a
+#: shape differs, equal where the maths are the family's own
+INTO_PLAIN = {"llama-mrs": "refused", "llama-layer": "refused", "llama-dyt": "refused", "qwen3-mrs": "refused",
+              "llama-qk": "refused", "llama-rms-half": "equal", "gemma-rms": "equal",
+              "gemma-rms-half": pytest.mark.xfail(strict=True, reason="new: torch's load_state_dict of a Gemma "
+                                                  "swapped to rms-half into GemmaForCausalLM: same keys and shapes, "
+                                                  "logits off by 0.7")}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=m) if not isinstance(m, str) else c
+                                  for c, m in INTO_PLAIN.items()])
+def test_state_dict_into_the_unswapped_model(built, case):
+    b = built(case)
+    plain = tiny_causal_lm(b.family, seed=1)
+    if INTO_PLAIN[case] == "refused":
+        with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict for \w+ForCausalLM"):
+            plain.load_state_dict(b.model.state_dict())
+        return
+    equal_or_refused(lambda: (plain.load_state_dict(b.model.state_dict()), logits_of(plain))[1], b.logits)
+
+
+# ---- graphs: export, tracing, compile, ONNX of the swapped transformers model -----------------------------------
+
+#: mrs under export/tracing runs the plain formula the op records, not its kernels: allclose (measured <= 2e-7)
+PLAIN_FORMULA = dict(atol=1e-6, rtol=1e-6)
+
+
+def _close(got: torch.Tensor, b: Built) -> None:
+    if "mrs" in b.case:
+        torch.testing.assert_close(got, b.logits, **PLAIN_FORMULA)
+    else:
+        assert torch.equal(got, b.logits)
+
+
+def _export(b: Built, tmp_path: Path) -> torch.Tensor:
+    program = torch.export.export(Logits(b.model), (token_batch(),))
+    torch.export.save(program, tmp_path / "program.pt2")
+    loaded = torch.export.load(tmp_path / "program.pt2")  # the program, saved and loaded
+    module = program.module()
+    assert torch.equal(loaded.module()(token_batch()), module(token_batch()))
+    return module(token_batch())
+
+
+def _jit_trace(b: Built, tmp_path: Path) -> torch.Tensor:
+    traced = torch.jit.trace(Logits(b.model), (token_batch(),), strict=False)
+    torch.jit.save(traced, tmp_path / "traced.pt")
+    return torch.jit.load(tmp_path / "traced.pt")(token_batch())
+
+
+def _compile(b: Built, tmp_path: Path) -> torch.Tensor:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()  # a recompile limit left by another test would run it eagerly
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        out = torch.compile(Logits(b.model), backend=counter)(token_batch())
+    assert counter.frame_count >= 1
+    return out
+
+
+def _onnx(b: Built, tmp_path: Path) -> torch.Tensor:
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    program = torch.onnx.export(Logits(b.model), (token_batch(),), dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {session.get_inputs()[0].name: token_batch().numpy()})[0]
+    return torch.from_numpy(out)
+
+
+GRAPHS = {"export": _export, "jit_trace": _jit_trace, "compile": _compile, "onnx": _onnx}
+#: llama-mrs compile and ONNX in the default suite: tests/ops/test_compile.py, tests/swap/test_onnx.py
+GRAPH_ROWS = [("llama-mrs", "export"), ("gemma-rms-half", "export"), ("gemma-rms-half", "jit_trace"),
+              *[pytest.param(c, g, marks=slow) for c, g in [
+                  ("llama-dyt", "export"), ("qwen3-mrs", "export"), ("llama-qk", "export"), ("llama-mrs", "jit_trace"),
+                  ("qwen3-mrs", "jit_trace"), ("gemma-rms-half", "compile"), ("llama-dyt", "compile"),
+                  ("qwen3-mrs", "compile"), ("llama-qk", "compile"), ("llama-dyt", "onnx"), ("gemma-rms-half", "onnx"),
+                  ("qwen3-mrs", "onnx")]]]
+
+
+@pytest.mark.parametrize(("case", "graph"), GRAPH_ROWS)
+def test_graph(built, tmp_path, case, graph):
+    b = built(case)
+    with torch.no_grad():
+        got = GRAPHS[graph](b, tmp_path)
+    if graph == "onnx":  # onnxruntime's own kernels
+        torch.testing.assert_close(got, b.logits, atol=1e-5, rtol=1e-4)
+    else:
+        _close(got, b)
+
+
+@pytest.mark.parametrize("how", ["jit_script", "fx_symbolic_trace"])
+def test_a_transformers_model_is_refused_by_the_host_swapped_or_not(how):
+    """transformers' decoders neither script nor fx-trace (the host's own error, the same swapped or not)."""
+    run = {"jit_script": torch.jit.script, "fx_symbolic_trace": lambda m: torch.fx.symbolic_trace(Logits(m))}[how]
+    errors = []
+    for case in (None, "llama-mrs"):
+        model = tiny_causal_lm("llama")
+        with pytest.raises(Exception) as err:
+            run(model if case is None else swap(model, case))
+        errors.append(type(err.value))
+    assert errors[0] is errors[1]
+
+
+# ---- graphs of a small torch model: fx, TorchScript, export, ONNX per target -----------------------------------
+
+TARGETS = ("mrs", "rms-half", "layer", "dyt")
+
+
+def _small(target: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    net = small_net()
+    swap_norms(net, target)
+    return trained(net, seed=1), torch.randn(2, 5, 8)
+
+
+SMALL_EXITS = {"fx": torch.fx.symbolic_trace, "jit_script": torch.jit.script,
+               "jit_trace": lambda net: torch.jit.trace(net, torch.randn(2, 5, 8)),
+               "export": lambda net: torch.export.export(net, (torch.randn(2, 5, 8),)).module()}
+SMALL_ROWS = [(t, e) for t in TARGETS for e in SMALL_EXITS if (t, e) != ("rms-half", "jit_script")]
+
+
+@pytest.mark.parametrize(("target", "exit_"), SMALL_ROWS, ids=[f"{t}-{e}" for t, e in SMALL_ROWS])
+def test_small_net(target, exit_):
+    net, x = _small(target)
+    expected = net(x)
+    got = SMALL_EXITS[exit_](net)(x)
+    if target == "mrs" and exit_ != "fx":  # the plain formula (fx keeps the op as one wrapped node)
+        torch.testing.assert_close(got, expected, **PLAIN_FORMULA)
+    else:
+        assert torch.equal(got, expected)
+
+
+def test_small_net_rms_half_is_refused_by_torchscript():
+    """The experimental half-precision layers do not script: TorchScript's compiler refuses (the host's error)."""
+    net, _ = _small("rms-half")
+    with pytest.raises(RuntimeError, match="cannot statically infer the expected size of a list"):
+        torch.jit.script(net)
+
+
+@pytest.mark.parametrize("target", ["dyt", pytest.param("rms-half", marks=slow)])  # mrs, rms, layer: test_onnx.py
+def test_small_net_onnx(target):
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    net, x = _small(target)
+    program = torch.onnx.export(net, (x,), dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    torch.testing.assert_close(got, net(x), atol=1e-5, rtol=1e-4)  # onnxruntime's own kernels
+
+
+# ---- swapping after the exit ------------------------------------------------------------------------------------
+
+
+def _swapped_eager(net: torch.nn.Module, target: str) -> torch.nn.Module:
+    reference = copy.deepcopy(net)
+    swap_norms(reference, target)
+    return reference
+
+
+@pytest.mark.parametrize("target", ["mrs", "dyt"])
+def test_swap_after_fx_trace_of_norm_layers(target):
+    net, x = small_net(hand_written=False), torch.randn(2, 5, 8)
+    expected = _swapped_eager(net, target)(x)
+    graph = torch.fx.symbolic_trace(net)
+    swap_norms(graph, target)
+    assert torch.equal(graph(x), expected)
+
+
+@_xfail(3)
+def test_swap_after_fx_trace_of_a_hand_written_rmsnorm():
+    """The traced graph holds pow/mean/rsqrt where the eager model held an RMSNorm: seen, or refused."""
+    net, x = small_net(), torch.randn(2, 5, 8)
+    expected = _swapped_eager(net, "mrs")(x)
+    graph = torch.fx.symbolic_trace(net)
+    equal_or_refused(lambda: (swap_norms(graph, "mrs"), graph(x))[1], expected, ValueError)
+
+
+@_xfail(3)
+def test_swap_after_export_of_a_transformers_model():
+    model, ids = Logits(tiny_causal_lm("llama")).eval(), token_batch()
+    with torch.no_grad():
+        expected = _swapped_eager(model, "mrs")(ids)
+    exported = torch.export.export(model, (ids,)).module()
+    equal_or_refused(lambda: (swap_norms(exported, "mrs"), exported(ids))[1], expected, ValueError)
+
+
+@pytest.mark.parametrize("how", ["net", pytest.param("llama", marks=slow), pytest.param("llama_forward", marks=slow)])
+def test_swap_after_compile(how):
+    """``torch.compile(model)`` run once, then swapped: the next call runs the swapped model (dynamo recompiles)."""
+    torch._dynamo.reset()
+    if how == "net":
+        model, x = small_net(), torch.randn(2, 5, 8)
+    else:
+        model, x = tiny_causal_lm("llama"), token_batch()
+    run = (lambda m: m(x)) if how == "net" else (lambda m: m(x).logits)
+    with torch.no_grad():
+        expected = run(_swapped_eager(model, "mrs"))
+    if how == "llama_forward":
+        model.forward = torch.compile(model.forward, backend="aot_eager")
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        run(compiled)
+        swap_norms(compiled, "mrs")
+        assert torch.equal(run(compiled), expected)
+
+
+def test_swap_after_peft_equals_peft_after_swap():
+    peft = pytest.importorskip("peft")
+    config = dict(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    base = tiny_causal_lm("llama")
+    first = swap(copy.deepcopy(base), "llama-mrs")
+    torch.manual_seed(1)
+    expected = logits_of(peft.get_peft_model(first, peft.LoraConfig(**config)))
+    torch.manual_seed(1)
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(**config))
+    swap(wrapped, "llama-mrs")
+    assert torch.equal(logits_of(wrapped), expected)
+
+
+def test_swap_on_meta_then_load(built):
+    """accelerate's ``init_empty_weights``: the plain model built on meta, swapped there, then the saved weights."""
+    accelerate = pytest.importorskip("accelerate")
+    b = built("gemma-rms-half")
+    with accelerate.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(tiny_config("gemma"))
+    swap(empty, "gemma-rms-half")
+    empty.tie_weights()
+    loaded = accelerate.load_checkpoint_and_dispatch(empty, str(b.path), device_map={"": "cpu"})
+    assert torch.equal(logits_of(loaded), b.logits)
+
+
+# ---- the page ---------------------------------------------------------------------------------------------------
+
+
+def test_every_test_named_in_docs_exits_exists():
+    """docs/exits.md names a test node for every row: each one is collected (slow ones included)."""
+    page = (ROOT / "docs" / "exits.md").read_text()
+    named = set(re.findall(r"`(tests/[\w/]+\.py::[^`\s]+)`", page))
+    assert len(named) >= 40, "docs/exits.md lists the rows with their tests"
+    files = sorted({n.split("::")[0] for n in named})
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
+                          *files], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    collected = set(out.stdout.split())
+    missing = sorted(n for n in named if n not in collected and not any(c.startswith(n + "[") for c in collected))
+    assert not missing, f"docs/exits.md names tests that do not exist: {missing}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
