@@ -10,7 +10,9 @@ fixed in other branches; ``reason="new: ..."`` marks a silent exit found while w
 
 from __future__ import annotations
 
+import ast
 import copy
+import fnmatch
 import io
 import pickle
 import re
@@ -85,7 +87,7 @@ def _init_empty_weights(b: Built) -> torch.Tensor:
 
 LOADERS = {"auto_trust": _auto_trust, "lightning_mrs": _lightning_mrs, "device_map_cpu": _device_map_cpu,
            "init_empty_weights": _init_empty_weights}
-#: (case, loader) rows not held by tests/swap/test_hf_custom_format.py and tests/test_pretrained*.py
+#: (case, loader) rows not held by tests/swap/test_hf_save_format.py and tests/test_pretrained*.py
 LOADER_ROWS = [
     *[(case, "auto_trust") for case in ("llama-rms-half", "llama-layer", "llama-dyt", "gemma-mrs", "gemma-rms-half")],
     *[(case, "lightning_mrs") for case in ("llama-dyt", "gemma-rms-half")],
@@ -202,7 +204,7 @@ def _torch_save(b: Built, tmp_path: Path) -> torch.nn.Module:
 COPIES = {"state_dict": _state_dict, "deepcopy": lambda b, _: copy.deepcopy(b.model),
           "pickle": lambda b, _: pickle.loads(pickle.dumps(b.model)), "torch_save": _torch_save,
           "pickle_then_save_pretrained": _pickle_then_save_pretrained}
-#: llama-mrs deepcopy/pickle: tests/swap/test_hf_custom_format.py::test_a_swapped_model_pickles_and_copies_as_its_class
+#: llama-mrs deepcopy/pickle: tests/swap/test_hf_save_format.py::test_a_swapped_model_pickles_and_copies_as_its_class
 COPY_ROWS = [("llama-mrs", "torch_save"), ("llama-mrs", "state_dict"), ("llama-mrs", "pickle_then_save_pretrained"),
              *[(case, how) for case in ("llama-layer", "llama-dyt", "gemma-rms-half", "qwen3-mrs", "llama-qk")
                for how in ("state_dict", "deepcopy", "pickle", "torch_save")]]
@@ -452,14 +454,49 @@ def test_swap_on_meta_then_load(built):
 # ---- the page ---------------------------------------------------------------------------------------------------
 
 
+#: test files being written in other branches for issue 61 (cases 1-7): named by the page before they land
+PENDING = {"tests/swap/test_hf_exits.py", "tests/swap/test_graph_exits.py", "tests/recipes/test_resume_exits.py"}
+
+
+def _named_tests() -> tuple[set[str], set[str]]:
+    """The page's test references: full node ids (``[x]`` after one inherits its function; ``*`` a wildcard),
+    and bare files."""
+    nodes, files = set(), set()
+    for line in (ROOT / "docs" / "exits.md").read_text().splitlines():
+        last = None
+        for token in re.findall(r"`([^`]+)`", line):
+            if re.fullmatch(r"tests/[\w/]+\.py", token):
+                files.add(token)
+            elif re.fullmatch(r"tests/[\w/]+\.py::\w+(\[[^\]\s]+\])?", token):
+                nodes.add(token)
+                last = token.split("[")[0]
+            elif last and re.fullmatch(r"\[[^\]\s]+\]", token):
+                nodes.add(last + token)
+    return nodes, files
+
+
 def test_every_test_named_in_docs_exits_exists():
-    """docs/exits.md names a test node for every row: each one is collected (slow ones included)."""
-    page = (ROOT / "docs" / "exits.md").read_text()
-    named = set(re.findall(r"`(tests/[\w/]+\.py::[^`\s]+)`", page))
-    assert len(named) >= 40, "docs/exits.md lists the rows with their tests"
-    files = sorted({n.split("::")[0] for n in named})
+    """docs/exits.md names a test for every row: each file and test function exists (the parameters: -m slow)."""
+    nodes, files = _named_tests()
+    assert len(nodes) >= 80, "docs/exits.md lists the rows with their tests"
+    for path in files - PENDING:
+        assert (ROOT / path).is_file(), path
+    defined: dict[str, set[str]] = {}
+    for node in nodes:
+        path, name = node.split("[")[0].split("::")
+        if path not in defined:
+            tree = ast.parse((ROOT / path).read_text())
+            defined[path] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert name in defined[path], f"docs/exits.md names {node}: no {name} in {path}"
+
+
+@slow  # a pytest subprocess collecting every file the page names (about 35 s on 2 busy cores)
+def test_every_node_named_in_docs_exits_is_collected():
+    nodes, _ = _named_tests()
+    paths = sorted({n.split("::")[0] for n in nodes})
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
-                          *files], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    collected = set(out.stdout.split())
-    missing = sorted(n for n in named if n not in collected and not any(c.startswith(n + "[") for c in collected))
-    assert not missing, f"docs/exits.md names tests that do not exist: {missing}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+                          *paths], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    collected = [line for line in out.stdout.split() if "::" in line]
+    missing = sorted(n for n in nodes if not (fnmatch.filter(collected, n.replace("[", "[[]"))
+                                             or (("[" not in n) and any(c.startswith(n + "[") for c in collected))))
+    assert collected and not missing, f"docs/exits.md names tests that are not collected: {missing}\n{out.stderr[-2000:]}"
