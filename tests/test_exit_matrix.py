@@ -13,8 +13,7 @@ from __future__ import annotations
 import ast
 import copy
 import fnmatch
-import io
-import pickle
+import logging
 import re
 import subprocess
 import sys
@@ -23,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.exits import (CASES, REFUSED, Built, Logits, build, equal_or_refused, fresh, logits_of, small_net, swap,
-                           trained)
+from helpers.exits import (CASES, COPIES, GRAPHS, LOADERS, PENDING, PLAIN_FORMULA, REFUSED, Built, Logits, build, close,
+                           equal_or_refused, logits_of, named_tests, small_net, swap, trained)
 from helpers.hf import tiny_causal_lm, tiny_config, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms
 
@@ -62,31 +61,6 @@ def built(tmp_path_factory):
 # ---- save_pretrained + a loader: the saved model's logits -------------------------------------------------------
 
 
-def _auto_trust(b: Built) -> torch.Tensor:
-    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True))
-
-
-def _lightning_mrs(b: Built) -> torch.Tensor:
-    return logits_of(from_pretrained(b.path, attn_implementation="eager"))
-
-
-def _device_map_cpu(b: Built) -> torch.Tensor:
-    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True, device_map="cpu"))
-
-
-def _init_empty_weights(b: Built) -> torch.Tensor:
-    """accelerate's big-model load: the swapped class built on the meta device, then the weights dispatched."""
-    accelerate = pytest.importorskip("accelerate")
-    config = transformers.AutoConfig.from_pretrained(b.path, trust_remote_code=True)
-    with accelerate.init_empty_weights():
-        empty = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-    assert {p.device.type for p in empty.parameters()} == {"meta"}
-    empty.tie_weights()  # as accelerate's docs say (Gemma ties its head to its embedding)
-    return logits_of(accelerate.load_checkpoint_and_dispatch(empty, str(b.path), device_map={"": "cpu"}))
-
-
-LOADERS = {"auto_trust": _auto_trust, "lightning_mrs": _lightning_mrs, "device_map_cpu": _device_map_cpu,
-           "init_empty_weights": _init_empty_weights}
 #: (case, loader) rows not held by tests/swap/test_hf_save_format.py and tests/test_pretrained*.py
 LOADER_ROWS = [
     *[(case, "auto_trust") for case in ("llama-rms-half", "llama-layer", "llama-dyt", "gemma-mrs", "gemma-rms-half")],
@@ -160,6 +134,7 @@ def test_the_familys_own_head_class(built, case):
 # ---- PEFT: LoRA adapters on the swapped base --------------------------------------------------------------------
 
 PEFT_ROWS = [("llama-mrs", "peft_model"), ("gemma-rms-half", "peft_model"), ("gemma-rms-half", "auto_peft_model"),
+             ("qwen3-mrs", "merge_and_unload"),
              pytest.param("llama-mrs", "auto_peft_model_no_task_type", marks=_xfail(7))]
 
 
@@ -172,6 +147,13 @@ def test_peft(built, tmp_path, case, loader):
                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **task))
     lora.save_pretrained(tmp_path)
     expected = logits_of(lora)
+    if loader == "merge_and_unload":  # the merged swapped model saves and loads as itself (merging rounds W + BA)
+        merged = lora.merge_and_unload()
+        assert type(merged) is type(b.model)
+        merged.save_pretrained(tmp_path / "merged")
+        torch.testing.assert_close(logits_of(merged), expected, atol=1e-6, rtol=1e-6)
+        assert torch.equal(logits_of(from_pretrained(tmp_path / "merged", attn_implementation="eager")), logits_of(merged))
+        return
     if loader == "peft_model":
         loaded = peft.PeftModel.from_pretrained(from_pretrained(b.path, attn_implementation="eager"), tmp_path)
     else:
@@ -183,27 +165,6 @@ def test_peft(built, tmp_path, case, loader):
 # ---- in memory: state dicts, copies, pickles --------------------------------------------------------------------
 
 
-def _state_dict(b: Built, tmp_path: Path) -> torch.nn.Module:
-    again = fresh(b.case)
-    again.load_state_dict(b.model.state_dict())  # strict
-    return again
-
-
-def _pickle_then_save_pretrained(b: Built, tmp_path: Path) -> torch.nn.Module:
-    pickle.loads(pickle.dumps(b.model)).save_pretrained(tmp_path)  # the record is read off the unpickled modules
-    return from_pretrained(tmp_path, attn_implementation="eager")
-
-
-def _torch_save(b: Built, tmp_path: Path) -> torch.nn.Module:
-    buffer = io.BytesIO()
-    torch.save(b.model, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-COPIES = {"state_dict": _state_dict, "deepcopy": lambda b, _: copy.deepcopy(b.model),
-          "pickle": lambda b, _: pickle.loads(pickle.dumps(b.model)), "torch_save": _torch_save,
-          "pickle_then_save_pretrained": _pickle_then_save_pretrained}
 #: llama-mrs deepcopy/pickle: tests/swap/test_hf_save_format.py::test_a_swapped_model_pickles_and_copies_as_its_class
 COPY_ROWS = [("llama-mrs", "torch_save"), ("llama-mrs", "state_dict"), ("llama-mrs", "pickle_then_save_pretrained"),
              *[(case, how) for case in ("llama-layer", "llama-dyt", "gemma-rms-half", "qwen3-mrs", "llama-qk")
@@ -242,53 +203,6 @@ def test_state_dict_into_the_unswapped_model(built, case):
 
 # ---- graphs: export, tracing, compile, ONNX of the swapped transformers model -----------------------------------
 
-#: mrs under export/tracing runs the plain formula the op records, not its kernels: allclose (measured <= 2e-7)
-PLAIN_FORMULA = dict(atol=1e-6, rtol=1e-6)
-
-
-def _close(got: torch.Tensor, b: Built) -> None:
-    if "mrs" in b.case:
-        torch.testing.assert_close(got, b.logits, **PLAIN_FORMULA)
-    else:
-        assert torch.equal(got, b.logits)
-
-
-def _export(b: Built, tmp_path: Path) -> torch.Tensor:
-    program = torch.export.export(Logits(b.model), (token_batch(),))
-    torch.export.save(program, tmp_path / "program.pt2")
-    loaded = torch.export.load(tmp_path / "program.pt2")  # the program, saved and loaded
-    module = program.module()
-    assert torch.equal(loaded.module()(token_batch()), module(token_batch()))
-    return module(token_batch())
-
-
-def _jit_trace(b: Built, tmp_path: Path) -> torch.Tensor:
-    traced = torch.jit.trace(Logits(b.model), (token_batch(),), strict=False)
-    torch.jit.save(traced, tmp_path / "traced.pt")
-    return torch.jit.load(tmp_path / "traced.pt")(token_batch())
-
-
-def _compile(b: Built, tmp_path: Path) -> torch.Tensor:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    torch._dynamo.reset()  # a recompile limit left by another test would run it eagerly
-    counter = CompileCounterWithBackend("aot_eager")
-    with torch.no_grad():
-        out = torch.compile(Logits(b.model), backend=counter)(token_batch())
-    assert counter.frame_count >= 1
-    return out
-
-
-def _onnx(b: Built, tmp_path: Path) -> torch.Tensor:
-    pytest.importorskip("onnxscript")
-    ort = pytest.importorskip("onnxruntime")
-    program = torch.onnx.export(Logits(b.model), (token_batch(),), dynamo=True, verbose=False)
-    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    out = session.run(None, {session.get_inputs()[0].name: token_batch().numpy()})[0]
-    return torch.from_numpy(out)
-
-
-GRAPHS = {"export": _export, "jit_trace": _jit_trace, "compile": _compile, "onnx": _onnx}
 #: llama-mrs compile and ONNX in the default suite: tests/ops/test_compile.py, tests/swap/test_onnx.py
 GRAPH_ROWS = [("llama-mrs", "export"), ("gemma-rms-half", "export"), ("gemma-rms-half", "jit_trace"),
               *[pytest.param(c, g, marks=slow) for c, g in [
@@ -306,7 +220,7 @@ def test_graph(built, tmp_path, case, graph):
     if graph == "onnx":  # onnxruntime's own kernels
         torch.testing.assert_close(got, b.logits, atol=1e-5, rtol=1e-4)
     else:
-        _close(got, b)
+        close(got, b)
 
 
 @pytest.mark.parametrize("how", ["jit_script", "fx_symbolic_trace"])
@@ -451,33 +365,73 @@ def test_swap_on_meta_then_load(built):
     assert torch.equal(logits_of(loaded), b.logits)
 
 
+# ---- runs: a resume with an option the recipe lets change (faults, other options: docs/exits.md's table) -----
+
+VISION = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "digits",
+          "--data.image_size", "8", "--data.batch_size", "8", "--trainer.val_check_interval", "2",
+          "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false"]
+
+
+def _last(root: Path) -> Path:
+    return root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory) -> Path:
+    """The tiny LM run's checkpoint after 2 steps (32-true, the default devices)."""
+    from helpers.lm import TINY
+    from recipes.lm import run
+
+    root = tmp_path_factory.mktemp("lm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["lm.py"])
+        assert run([*TINY, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(root)]) == 0
+    return _last(root)
+
+
+@slow  # a 2-step LM fit (about 15 s on 2 busy cores)
+@pytest.mark.parametrize(("option", "value", "change"), [
+    ("--trainer.precision", "bf16-mixed", "--trainer.precision '32-true' -> 'bf16-mixed'"),
+    ("--trainer.devices", "2", "--trainer.devices 'auto' -> '2'")], ids=["precision", "devices"])
+def test_lm_resume_with_an_option_changed_names_it_once(lm_checkpoint, tmp_path, caplog, monkeypatch, option, value,
+                                                        change):
+    from helpers.lm import TINY
+    from recipes.lm import build_cli
+
+    monkeypatch.setattr(sys, "argv", ["lm.py"])
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    cli = build_cli([*TINY, "--trainer.max_steps", "2", option, value, "--trainer.default_root_dir", str(tmp_path),
+                     "--ckpt_path", str(lm_checkpoint)])
+    notes = [m for m in caplog.messages if m.startswith("note: resuming")]
+    assert notes == [f"note: resuming {lm_checkpoint} with options that differ from the checkpoint's, from its step "
+                     f"on: {change}"]
+    applied = {"--trainer.precision": cli.trainer.precision, "--trainer.devices": str(cli.trainer.num_devices)}
+    assert applied[option] == value
+
+
+@slow  # two image fits of 2 and 3 steps
+@pytest.mark.xfail(strict=True, reason="new: the image recipe resumes with another --trainer.precision without a "
+                                       "word (the LM recipe names the change)")
+def test_image_resume_with_another_precision_names_it(tmp_path, monkeypatch, capfd, caplog):
+    from recipes.cifar100 import run
+
+    monkeypatch.setattr(sys, "argv", ["cifar100.py"])
+    assert run([*VISION, "--trainer.max_steps", "2", "--trainer.default_root_dir", str(tmp_path / "a")]) == 0
+    capfd.readouterr()
+    caplog.set_level(logging.INFO)
+    status = run([*VISION, "--trainer.max_steps", "3", "--trainer.precision", "bf16-mixed",
+                  "--trainer.default_root_dir", str(tmp_path / "b"), "--ckpt_path", str(_last(tmp_path / "a"))])
+    out = capfd.readouterr()
+    text = out.out + out.err + caplog.text
+    assert status == 0 and re.search(r"--trainer\.precision '?32-true'? -> '?bf16-mixed", text), text[-3000:]
+
+
 # ---- the page ---------------------------------------------------------------------------------------------------
-
-
-#: test files being written in other branches for issue 61 (cases 1-7): named by the page before they land
-PENDING = {"tests/swap/test_hf_exits.py", "tests/swap/test_graph_exits.py", "tests/recipes/test_resume_exits.py"}
-
-
-def _named_tests() -> tuple[set[str], set[str]]:
-    """The page's test references: full node ids (``[x]`` after one inherits its function; ``*`` a wildcard),
-    and bare files."""
-    nodes, files = set(), set()
-    for line in (ROOT / "docs" / "exits.md").read_text().splitlines():
-        last = None
-        for token in re.findall(r"`([^`]+)`", line):
-            if re.fullmatch(r"tests/[\w/]+\.py", token):
-                files.add(token)
-            elif re.fullmatch(r"tests/[\w/]+\.py::\w+(\[[^\]\s]+\])?", token):
-                nodes.add(token)
-                last = token.split("[")[0]
-            elif last and re.fullmatch(r"\[[^\]\s]+\]", token):
-                nodes.add(last + token)
-    return nodes, files
 
 
 def test_every_test_named_in_docs_exits_exists():
     """docs/exits.md names a test for every row: each file and test function exists (the parameters: -m slow)."""
-    nodes, files = _named_tests()
+    nodes, files = named_tests(ROOT)
     assert len(nodes) >= 80, "docs/exits.md lists the rows with their tests"
     for path in files - PENDING:
         assert (ROOT / path).is_file(), path
@@ -492,7 +446,7 @@ def test_every_test_named_in_docs_exits_exists():
 
 @slow  # a pytest subprocess collecting every file the page names (about 35 s on 2 busy cores)
 def test_every_node_named_in_docs_exits_is_collected():
-    nodes, _ = _named_tests()
+    nodes, _ = named_tests(ROOT)
     paths = sorted({n.split("::")[0] for n in nodes})
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider",
                           *paths], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -3,25 +3,32 @@
 :data:`CASES` names each (family, swap) the matrix walks: the four targets on Llama, Gemma's
 ``(1 + w)`` norms, Qwen3's own QK-norms swapped and QK-norms added to Llama. :class:`Built` is one
 case built once, "trained" (no norm weight at its init, so a weight that does not load or a lost
-``1 +`` changes the logits), its logits and its ``save_pretrained`` directory.
+``1 +`` changes the logits), its logits and its ``save_pretrained`` directory. :data:`LOADERS`,
+:data:`COPIES` and :data:`GRAPHS` are the exits (each gives back logits or a model), :func:`named_tests` the
+test references of docs/exits.md.
 """
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 
-from helpers.hf import tiny_causal_lm, token_batch
-from lightning_mrs import swap_norms
+from helpers.hf import tiny_causal_lm, token_batch, transformers
+from lightning_mrs import MRSNorm, MRSNorm2d, from_pretrained, swap_norms
 
-__all__ = ["CASES", "REFUSED", "Built", "HandRMSNorm", "Logits", "build", "equal_or_refused", "fresh", "logits_of",
-           "small_net", "swap", "trained"]
+__all__ = ["CASES", "COPIES", "GRAPHS", "LOADERS", "PENDING", "PLAIN_FORMULA", "REFUSED", "Built", "HandRMSNorm",
+           "Logits", "build", "close", "equal_or_refused", "fresh", "logits_of", "named_tests", "small_net", "swap",
+           "trained"]
 
 #: case id -> (family, swap options)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -142,3 +149,127 @@ def equal_or_refused(run: Callable[[], torch.Tensor], expected: torch.Tensor, er
         assert "\n" not in message.strip() and re.search(REFUSED, message), message
         return
     assert torch.equal(got, expected), (got - expected).abs().max().item()
+
+
+# ---- the exits: each gives back what the row compares ------------------------------------------------------
+
+
+def _auto_trust(b: Built) -> torch.Tensor:
+    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True))
+
+
+def _lightning_mrs(b: Built) -> torch.Tensor:
+    return logits_of(from_pretrained(b.path, attn_implementation="eager"))
+
+
+def _device_map_cpu(b: Built) -> torch.Tensor:
+    return logits_of(transformers.AutoModelForCausalLM.from_pretrained(b.path, trust_remote_code=True, device_map="cpu"))
+
+
+def _init_empty_weights(b: Built) -> torch.Tensor:
+    """accelerate's big-model load: the swapped class built on the meta device, then the weights dispatched."""
+    accelerate = pytest.importorskip("accelerate")
+    config = transformers.AutoConfig.from_pretrained(b.path, trust_remote_code=True)
+    with accelerate.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    assert {p.device.type for p in empty.parameters()} == {"meta"}
+    empty.tie_weights()  # as accelerate's docs say (Gemma ties its head to its embedding)
+    return logits_of(accelerate.load_checkpoint_and_dispatch(empty, str(b.path), device_map={"": "cpu"}))
+
+
+LOADERS = {"auto_trust": _auto_trust, "lightning_mrs": _lightning_mrs, "device_map_cpu": _device_map_cpu,
+           "init_empty_weights": _init_empty_weights}
+
+
+def _state_dict(b: Built, tmp_path: Path) -> torch.nn.Module:
+    again = fresh(b.case)
+    again.load_state_dict(b.model.state_dict())  # strict
+    return again
+
+
+def _pickle_then_save_pretrained(b: Built, tmp_path: Path) -> torch.nn.Module:
+    pickle.loads(pickle.dumps(b.model)).save_pretrained(tmp_path)  # the record is read off the unpickled modules
+    return from_pretrained(tmp_path, attn_implementation="eager")
+
+
+def _torch_save(b: Built, tmp_path: Path) -> torch.nn.Module:
+    buffer = io.BytesIO()
+    torch.save(b.model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+COPIES = {"state_dict": _state_dict, "deepcopy": lambda b, _: copy.deepcopy(b.model),
+          "pickle": lambda b, _: pickle.loads(pickle.dumps(b.model)), "torch_save": _torch_save,
+          "pickle_then_save_pretrained": _pickle_then_save_pretrained}
+
+#: mrs under export/tracing runs the plain formula the op records, not its kernels: allclose (measured <= 2e-7)
+PLAIN_FORMULA = dict(atol=1e-6, rtol=1e-6)
+
+
+def close(got: torch.Tensor, b: Built) -> None:
+    """Equal to the saved logits; allclose where an MRSNorm runs the plain formula (export, tracing)."""
+    if any(isinstance(m, (MRSNorm, MRSNorm2d)) for m in b.model.modules()):
+        torch.testing.assert_close(got, b.logits, **PLAIN_FORMULA)
+    else:
+        assert torch.equal(got, b.logits)
+
+
+def _export(b: Built, tmp_path: Path) -> torch.Tensor:
+    program = torch.export.export(Logits(b.model), (token_batch(),))
+    torch.export.save(program, tmp_path / "program.pt2")
+    loaded = torch.export.load(tmp_path / "program.pt2")  # the program, saved and loaded
+    module = program.module()
+    assert torch.equal(loaded.module()(token_batch()), module(token_batch()))
+    return module(token_batch())
+
+
+def _jit_trace(b: Built, tmp_path: Path) -> torch.Tensor:
+    traced = torch.jit.trace(Logits(b.model), (token_batch(),), strict=False)
+    torch.jit.save(traced, tmp_path / "traced.pt")
+    return torch.jit.load(tmp_path / "traced.pt")(token_batch())
+
+
+def _compile(b: Built, tmp_path: Path) -> torch.Tensor:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()  # a recompile limit left by another test would run it eagerly
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        out = torch.compile(Logits(b.model), backend=counter)(token_batch())
+    assert counter.frame_count >= 1
+    return out
+
+
+def _onnx(b: Built, tmp_path: Path) -> torch.Tensor:
+    pytest.importorskip("onnxscript")
+    ort = pytest.importorskip("onnxruntime")
+    program = torch.onnx.export(Logits(b.model), (token_batch(),), dynamo=True, verbose=False)
+    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {session.get_inputs()[0].name: token_batch().numpy()})[0]
+    return torch.from_numpy(out)
+
+
+GRAPHS = {"export": _export, "jit_trace": _jit_trace, "compile": _compile, "onnx": _onnx}
+
+#: test files being written in other branches for issue 61 (cases 1-7): named by the page before they land
+PENDING = {"tests/swap/test_hf_exits.py", "tests/swap/test_graph_exits.py", "tests/recipes/test_resume_exits.py"}
+
+
+def named_tests(root: Path) -> tuple[set[str], set[str]]:
+    """The page's test references: full node ids (``[x]`` after one inherits its function; ``*`` a wildcard),
+    and bare files."""
+    nodes, files = set(), set()
+    for line in (root / "docs" / "exits.md").read_text().splitlines():
+        last = None
+        for token in re.findall(r"`([^`]+)`", line):
+            if re.fullmatch(r"tests/[\w/]+\.py", token):
+                files.add(token)
+            elif re.fullmatch(r"tests/[\w/]+\.py::\w+(\[[^\]\s]+\])?", token):
+                nodes.add(token)
+                last = token.split("[")[0]
+            elif last and re.fullmatch(r"\[[^\]\s]+\]", token):
+                nodes.add(last + token)
+    return nodes, files
+
+
