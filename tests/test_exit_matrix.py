@@ -92,6 +92,27 @@ def test_another_head_with_trust_remote_code(built):
             assert torch.equal(head.model(token_batch()).last_hidden_state, b.hidden(token_batch())), case
 
 
+@pytest.mark.parametrize("variant", ["sharded", "resized_embeddings", "bfloat16"])
+def test_save_pretrained_variants(tmp_path, variant):
+    """Gemma swapped to rms-half with MRS QK-norms, saved in shards, after ``resize_token_embeddings``, or in
+    bfloat16: ``lightning_mrs.from_pretrained`` and the Auto class give its logits (and dtype) back."""
+    model = trained(swap(tiny_causal_lm("gemma"), "gemma-rms-half"))
+    swap_norms(model, None, qk_norm="mrs")
+    if variant == "resized_embeddings":
+        model.resize_token_embeddings(80)
+    elif variant == "bfloat16":  # transformers' load keeps the rotary buffers in float32, swapped or not
+        rotary = {n: b for n, b in model.named_buffers() if "inv_freq" in n}
+        model = model.to(torch.bfloat16)
+        for name, buffer in rotary.items():
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, buffer)
+    model.save_pretrained(tmp_path, **({"max_shard_size": "20KB"} if variant == "sharded" else {}))
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 or variant != "sharded"
+    expected = logits_of(model)
+    for again in (from_pretrained(tmp_path), transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)):
+        assert again.dtype == model.dtype and torch.equal(logits_of(again), expected)
+
+
 #: the family's own maths: its plain class may load these equal (and then must carry no record)
 SAME_MATHS = {"llama-rms", "llama-rms-half", "gemma-rms"}
 FAMILY_ROWS = [pytest.param(case, marks=_xfail(2 if case in SAME_MATHS else 1)) for case in CASES]
