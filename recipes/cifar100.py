@@ -58,7 +58,7 @@ from typing_extensions import override
 
 from lightning_mrs.callbacks import AttentionMonitor, GradientHomogeneityMonitor
 from lightning_mrs.swap import iter_attention_layers
-from recipes.common.checkpoints import check_checkpoint
+from recipes.common.checkpoints import OptionsRecord, check_checkpoint
 from recipes.vision.classifier import ImageClassifier
 from recipes.vision.data import ImageDataModule
 from recipes.common.errors import UsageError
@@ -108,6 +108,15 @@ class CifarCLI(LightningCLI):
             raise UsageError(f"--ckpt_path {ckpt_path!r}: no such file; give an existing checkpoint "
                              "(e.g. <run>/lightning_logs/version_0/checkpoints/last.ckpt) or leave it out.")
 
+    def options(self) -> dict[str, Any]:
+        """This run's value of each option a resume may change (:data:`MAY_CHANGE`): a changed one is named in
+        one notice line (the LM recipe's :data:`recipes.lm.RESUME` does the same for its options)."""
+        values = {"--data.batch_size": self.datamodule.batch_size}
+        for key in ("precision", "devices", "num_nodes", "accumulate_grad_batches", "max_epochs", "max_steps"):
+            values[f"--trainer.{key}"] = self.config_init.get(f"trainer.{key}")
+        values["--trainer.precision"] = str(values["--trainer.precision"])  # as asked (16-mixed may become a plugin)
+        return values
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         # Check (download) the data once the options are known good (the model is built) but
@@ -116,13 +125,15 @@ class CifarCLI(LightningCLI):
         # local rank 0, as Lightning's prepare_data does.
         check_input_size(self.model.model, self.datamodule.image_size)
         ckpt_path = self.config.get("ckpt_path")
-        notice = check_checkpoint(ckpt_path, self.model, self.model.hparams,
-                                  {"--data.batch_size": self.datamodule.batch_size}) if ckpt_path else None
-        if notice:
+        options = self.options()
+        notice = check_checkpoint(ckpt_path, self.model, self.model.hparams, options) if ckpt_path else None
+        if notice and "--data.batch_size" in notice:
             # the sampler's position is in images: the epoch goes on from the image it reached (EpochPosition)
-            rank_zero_info(f"{notice} (the epoch goes on from the image it reached, in batches of "
-                           f"{self.datamodule.batch_size}; the steps of an epoch, and so the length of a schedule "
-                           "over epochs without --trainer.max_steps, follow the new size)")
+            notice += (f" (the epoch goes on from the image it reached, in batches of {self.datamodule.batch_size}; "
+                       "the steps of an epoch, and so the length of a schedule over epochs without "
+                       "--trainer.max_steps, follow the new size)")
+        if notice:
+            rank_zero_info(notice)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             self.datamodule.prepare_data()
         note_processes(self.config_init.get("trainer") or {})
@@ -137,6 +148,7 @@ class CifarCLI(LightningCLI):
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ImportError, ValueError) as err:  # e.g. a bad accelerator
             raise UsageError(f"a --trainer option: {err}") from None
+        trainer.callbacks.append(OptionsRecord(options))  # what a resume of this run compares (check_checkpoint)
         if next(iter_attention_layers(self.model), None) is None:  # a CNN: no "no attention layers" warning
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, AttentionMonitor)]
         return trainer

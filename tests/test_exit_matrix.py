@@ -4,8 +4,8 @@ Each row is EQUAL to the unswapped path (the saved model's logits, ``torch.equal
 where the host path itself runs other arithmetic, said in the row) or REFUSED before anything is
 built. Rows that an existing test already holds are not repeated here: docs/exits.md lists every
 row with the test node that checks it, and :func:`test_every_test_named_in_docs_exits_exists` keeps
-that page honest. Rows marked ``xfail(strict=True, reason="issue 61 case N")`` are the defects being
-fixed in other branches; ``reason="new: ..."`` marks a silent exit found while writing the matrix.
+that page honest. A row marked ``xfail(strict=True, reason="new: ...")`` is a silent exit still open
+(docs/exits.md says which): it turns red the day it is closed, so its mark goes with the fix.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.exits import (CASES, COPIES, GRAPHS, LOADERS, PENDING, PLAIN_FORMULA, REFUSED, Built, Logits, build, close,
+from helpers.exits import (CASES, COPIES, GRAPHS, LOADERS, PLAIN_FORMULA, REFUSED, Built, Logits, build, close,
                            equal_or_refused, logits_of, named_tests, small_net, swap, trained)
 from helpers.hf import tiny_causal_lm, tiny_config, token_batch, transformers
 from lightning_mrs import from_pretrained, swap_norms
@@ -31,10 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 slow = pytest.mark.slow
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning",
                                         "ignore::torch.jit.TracerWarning")
-
-
-def _xfail(case: int) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 61 case {case}")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -115,7 +111,7 @@ def test_save_pretrained_variants(tmp_path, variant):
 
 #: the family's own maths: its plain class may load these equal (and then must carry no record)
 SAME_MATHS = {"llama-rms", "llama-rms-half", "gemma-rms"}
-FAMILY_ROWS = [pytest.param(case, marks=_xfail(2 if case in SAME_MATHS else 1)) for case in CASES]
+FAMILY_ROWS = list(CASES)
 
 
 @pytest.mark.parametrize("case", FAMILY_ROWS)
@@ -141,7 +137,7 @@ def test_the_familys_own_class(built, tmp_path, case):
     equal_or_refused(lambda: own.from_pretrained(b.path), b.logits, reloaded)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_xfail(1)) for c in ("llama-dyt", "gemma-rms-half")])
+@pytest.mark.parametrize("case", ["llama-dyt", "gemma-rms-half"])
 def test_the_familys_own_head_class(built, case):
     """``LlamaForSequenceClassification.from_pretrained(d)``: the family's class of another head."""
     b = built(case)
@@ -155,7 +151,7 @@ def test_the_familys_own_head_class(built, case):
 
 PEFT_ROWS = [("llama-mrs", "peft_model"), ("gemma-rms-half", "peft_model"), ("gemma-rms-half", "auto_peft_model"),
              ("qwen3-mrs", "merge_and_unload"),
-             pytest.param("llama-mrs", "auto_peft_model_no_task_type", marks=_xfail(7))]
+             ("llama-mrs", "auto_peft_model_no_task_type")]
 
 
 @pytest.mark.parametrize(("case", "loader"), PEFT_ROWS)
@@ -349,7 +345,6 @@ def test_swap_after_fx_trace_of_norm_layers(target):
     assert torch.equal(graph(x), expected)
 
 
-@_xfail(3)
 def test_swap_after_fx_trace_of_a_hand_written_rmsnorm():
     """The traced graph holds pow/mean/rsqrt where the eager model held an RMSNorm: seen, or refused."""
     net, x = small_net(), torch.randn(2, 5, 8)
@@ -358,7 +353,6 @@ def test_swap_after_fx_trace_of_a_hand_written_rmsnorm():
     equal_or_refused(lambda: swap_norms(graph, "mrs"), expected, lambda _: graph(x), ValueError)
 
 
-@_xfail(3)
 def test_swap_after_export_of_a_transformers_model():
     model, ids = Logits(tiny_causal_lm("llama")).eval(), token_batch()
     with torch.no_grad():
@@ -459,8 +453,6 @@ def test_lm_resume_with_an_option_changed_names_it_once(lm_checkpoint, tmp_path,
 
 
 @slow  # two image fits of 2 and 3 steps
-@pytest.mark.xfail(strict=True, reason="new: the image recipe resumes with another --trainer.precision without a "
-                                       "word (the LM recipe names the change)")
 def test_image_resume_with_another_precision_names_it(tmp_path, monkeypatch, capfd, caplog):
     from recipes.cifar100 import run
 
@@ -482,7 +474,7 @@ def test_every_test_named_in_docs_exits_exists():
     """docs/exits.md names a test for every row: each file and test function exists (the parameters: -m slow)."""
     nodes, files = named_tests(ROOT)
     assert len(nodes) >= 80, "docs/exits.md lists the rows with their tests"
-    for path in files - PENDING:
+    for path in files:
         assert (ROOT / path).is_file(), path
     defined: dict[str, set[str]] = {}
     for node in nodes:

@@ -26,7 +26,7 @@ from torch import nn
 from helpers.hf import tiny_causal_lm, token_batch, transformers
 from lightning_mrs import MRSNorm, MRSNorm2d, from_pretrained, swap_norms
 
-__all__ = ["CASES", "COPIES", "GRAPHS", "LOADERS", "PENDING", "PLAIN_FORMULA", "REFUSED", "Built", "HandRMSNorm",
+__all__ = ["CASES", "COPIES", "GRAPHS", "LOADERS", "PLAIN_FORMULA", "REFUSED", "Built", "HandRMSNorm",
            "Logits", "build", "close", "equal_or_refused", "fresh", "logits_of", "named_tests", "small_net", "swap",
            "trained"]
 
@@ -255,10 +255,6 @@ def _onnx(b: Built, tmp_path: Path) -> torch.Tensor:
 
 
 GRAPHS = {"export": _export, "jit_trace": _jit_trace, "compile": _compile, "onnx": _onnx}
-
-#: test files being written in other branches for issue 61 (cases 1-7): named by the page before they land
-PENDING = {"tests/swap/test_hf_exits.py", "tests/swap/test_graph_exits.py", "tests/recipes/test_resume_exits.py"}
-
 
 def named_tests(root: Path) -> tuple[set[str], set[str]]:
     """The page's test references: full node ids (``[x]`` after one inherits its function; ``*`` a wildcard),
