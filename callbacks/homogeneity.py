@@ -46,7 +46,7 @@ from typing_extensions import override
 from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_fraction
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
@@ -121,13 +121,7 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     ) -> None:
         super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
         check_fraction(self.owner, "starved_threshold", starved_threshold, "a fraction of the median G_i")
-        if isinstance(histogram_every_n_logs, bool) or not isinstance(histogram_every_n_logs, int) or (
-            histogram_every_n_logs < 0
-        ):
-            raise ValueError(
-                "GradientHomogeneityMonitor: histogram_every_n_logs must be an int >= 0 (0 = never), "
-                f"got {histogram_every_n_logs!r}."
-            )
+        check_count(self.owner, "histogram_every_n_logs", histogram_every_n_logs, " (0 = never)", minimum=0, none=False)
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(
                 f"GradientHomogeneityMonitor: on_nonfinite={on_nonfinite!r} is not valid; choose one of "

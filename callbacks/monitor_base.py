@@ -57,11 +57,11 @@ __all__ = ["LoggingStepMonitor", "check_count", "check_fraction"]
 CaptureT = TypeVar("CaptureT", bound=LayerCapture)
 
 
-def check_count(owner: str, name: str, value: Any, none: str = "") -> None:
-    """Raise a ``ValueError`` naming ``owner`` unless ``value`` is ``None`` or an int >= 1
-    (``none``: what ``None`` means, appended to the message)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{owner}: {name} must be None or an int >= 1{none}, got {value!r}.")
+def check_count(owner: str, name: str, value: Any, note: str = "", minimum: int = 1, none: bool = True) -> None:
+    """Raise a ``ValueError`` naming ``owner`` unless ``value`` is an int >= ``minimum`` (or, with
+    ``none``, ``None``); ``note`` (what ``None`` or the minimum means) is appended to the message."""
+    if (value is not None or not none) and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{owner}: {name} must be {'None or ' * none}an int >= {minimum}{note}, got {value!r}.")
 
 
 def check_fraction(owner: str, name: str, value: Any, meaning: str) -> None:
