@@ -217,8 +217,6 @@ def layer_metrics(tag: Callable[[str, str], str], layers: Sequence[LayerT], sums
         on_device.update({(layer.name, f): table[f].formula(s) for f in figures_of(layer)})
         counts = {seen, *(table[f].needs for f in figures_of(layer) if table[f].needs)}
         on_device.update({(layer.name, count): getattr(s, count) for count in counts})
-    if not on_device:
-        return {}
     host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # the one copy
     rows = {layer.name: {f: host[layer.name, f] for f in figures_of(layer)
                          if table[f].needs is None or host[layer.name, table[f].needs] > 0}

@@ -164,14 +164,12 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         capture = self._capture
-        if capture is None:
-            return
-        if not capture.stepped:
-            capture.stepped = True
+        if capture is not None and not capture.stepped:
             scaler = self._scaler(trainer)
             # the scale the backward ran with: GradScaler.update() only changes it after the step
             capture.scale = float(scaler.get_scale()) if scaler is not None else None
-        if self.weight_grads:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # marks the capture stepped
+        if capture is not None and self.weight_grads:
             capture.record_weights(optimizer)
 
     # ------------------------------------------------------------------ reduce + log
