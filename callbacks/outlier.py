@@ -1,16 +1,11 @@
 """``OutlierMonitor``: activation outliers at the input of every norm layer, live.
 
-The premise of ``docs/method.md``: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the
-denominator quadratically (and overflows it when the squares are formed in float16), where
-MRSNorm's mean of pair magnitudes takes it in linearly. This monitor measures that premise on the
-tensors that really enter the norms during training: on logging steps only, a forward pre-hook
-on every norm layer (:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which)
-reduces its input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
-
-On a logging step (Lightning's own, :mod:`lightning_mrs.callbacks.logging_steps`) the hooks
-(:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`) watch the training forward only;
-under DDP the maxima take ``ReduceOp.MAX`` and the counts add. Between logging steps no hook
-is registered. The life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
+It measures the premise of ``docs/method.md`` (:mod:`lightning_mrs.outlier_stats` states it and
+defines the figures) on the tensors that really enter the norms during training: on logging steps
+only, a forward pre-hook on every norm layer (which ones:
+:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs`; the hooks:
+:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`) reduces its input on the device
+during the training forward. The life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
 """
 
 from __future__ import annotations
