@@ -89,8 +89,8 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
 
     owner: ClassVar[str]
     board: ClassVar[Dashboard]
-    #: figure name -> formula and pooling over layers, logged by :meth:`_finish`
-    figures_table: ClassVar[Mapping[str, Figure]] = {}
+    #: figure name -> formula and pooling over layers, logged by :meth:`_finish` (an instance may narrow it)
+    figures_table: Mapping[str, Figure] = {}
     #: the count field of the sums that says a layer was called on the step (else it is not logged)
     seen: ClassVar[str] = ""
     #: the hooks watch the training forward only (disarmed before backward)

@@ -88,6 +88,7 @@ class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
             raise ValueError(f"OutlierMonitor: figures={list(figures)!r}: {unknown or 'none'} not valid; choose one or "
                              f"more of {list(FIGURE_NAMES)}.")
         self.figures = tuple(f for f in FIGURE_NAMES if f in figures)  # documented order, no repeats
+        self.figures_table = {f: FIGURES[f] for f in self.figures}
         self.per_layer = bool(per_layer)
 
     @override
@@ -104,7 +105,3 @@ class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
     @override
     def _open_capture(self, layers: list[WatchedNorm], step: int, pl_module: pl.LightningModule) -> OutlierCapture:
         return OutlierCapture(layers, step, pl_module.device, self._warn_once)
-
-    @override
-    def _figures_of(self, layer: WatchedNorm) -> tuple[str, ...]:
-        return self.figures
