@@ -20,17 +20,11 @@ class is that common part:
 * ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
   optimization, every batch under manual) closes it and hands it to :meth:`_finish`;
   an exception or teardown drops it;
-* while a capture is open, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``,
-  :data:`~lightning_mrs.callbacks.capture.eager_while_capturing`): hooks registered on a model
-  after ``torch.compile`` traced it are not called by compiled code, so the logging batch runs
-  without compilation and the figures are those of the eager model (with an interval of 1 every
-  batch is a logging batch, so a compiled model never runs compiled: warned once, at the start of
-  training or after the first batch for a model compiled in its first step);
-* :meth:`_finish` reduces a closed capture over ranks and logs the figures of the monitor's
-  :attr:`~LoggingStepMonitor.figures_table` (:func:`~lightning_mrs.callbacks.capture.layer_metrics`);
-  :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
-  monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`),
-  those about the layers found in one wording (:meth:`_found`);
+* while a capture is open, compiled code runs eagerly
+  (:data:`~lightning_mrs.callbacks.capture.eager_while_capturing` says why; an interval of 1 is
+  warned about once, :meth:`~LoggingStepMonitor._warn_always_eager`);
+* :meth:`_finish` reduces a closed capture and logs its figures, :meth:`_publish` through every
+  logger; warnings are given once per key, those about the layers found in one wording (:meth:`_found`);
 * ``state_dict`` keeps ``n_logs`` and the logging-step count.
 """
 

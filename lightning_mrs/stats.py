@@ -53,20 +53,10 @@ __all__ = [
     "weight_grad_stats",
 ]
 
-#: The keys of the dict :func:`layer_stats` returns.
+#: The keys of the dict :func:`layer_stats` returns (its docstring defines them).
 STAT_NAMES: tuple[str, ...] = (
-    "grad_mean",  # mean_i G_i: the absolute (unscaled) gradient level
-    "grad_cv",  # std_i G_i / mean_i G_i: the homogeneity figure (0 = perfectly even)
-    "grad_max_ratio",  # max_i G_i / median_i G_i: domination by one phasor
-    "grad_p05",  # 5 % quantile of G_i (lower edge of the margin chart)
-    "grad_p50",  # median of G_i (the margin chart's line)
-    "grad_p95",  # 95 % quantile of G_i (upper edge)
-    "starved_frac",  # share of phasors with G_i < threshold * median
-    "radial_frac",  # share of gradient energy along each phasor's own direction
-    "act_outlier_ratio",  # max_i A_i / mean_i A_i, A_i = mean input phasor magnitude
-    "nonfinite",  # NaN/Inf gradient entries seen (excluded from everything above)
-    "finite",  # finite gradient entries the figures above come from (0: they mean nothing)
-    "count",  # samples x positions the figures are computed over
+    "grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac", "radial_frac",
+    "act_outlier_ratio", "nonfinite", "finite", "count",
 )
 #: The keys of the dict :func:`weight_grad_stats` returns (an MRS layer's weight gradient).
 WEIGHT_STAT_NAMES: tuple[str, ...] = ("wgrad_mean", "wgrad_cv", "wgrad_nonfinite", "wgrad_finite")
