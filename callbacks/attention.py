@@ -8,11 +8,9 @@ keys that enter each attention layer's logits (hooks on the layer's ``q_norm``/`
 (fused attention never materialises them) and logs their size, the softmax entropy and the
 share of collapsed attention rows (:mod:`lightning_mrs.attention_stats` defines every figure).
 
-On a logging step (Lightning's own, :mod:`lightning_mrs.callbacks.logging_steps`) forward hooks on
-each ``q_norm`` and ``k_norm`` (:class:`~lightning_mrs.callbacks.attention_report.AttentionCapture`)
-watch the training forward only; under DDP ``logit_max`` takes ``ReduceOp.MAX`` and the sums add
-(``entropy_min`` is taken over the per-head sums after that, so it is the global batch's). Between
-logging steps no hook is registered. The life cycle is
+The hooks (:class:`~lightning_mrs.callbacks.attention_report.AttentionCapture`) watch the training
+forward only; under DDP ``logit_max`` takes ``ReduceOp.MAX`` and the sums add (``entropy_min`` is
+taken over the per-head sums after that, so it is the global batch's). The life cycle is
 :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds what is watched.
 """
 

@@ -1,13 +1,8 @@
 """What every monitor's capture shares: its hooks' life, the guarded add, the reduction, the metrics.
 
 A monitor's capture (a :class:`LayerCapture`) holds the hooks of one logging step and the
-per-layer :class:`~lightning_mrs.sums.Sums` they add up (a failing layer warns once, naming it,
-and training goes on). :meth:`LayerCapture.reduced` reduces them over ranks, one collective per
-reduction kind (:func:`apply_flat` runs one operation on many named tensors at once;
-:func:`reduce_over_ranks` is that collective); :func:`layer_metrics` turns the reduced sums into
-the logged metrics from the monitor's table of :class:`~lightning_mrs.sums.Figure`, with one
-device-to-host copy. :func:`sums_dtype` is the dtype sums accumulate in; a hook reports a problem
-through a :data:`Warn` (:func:`no_warning` drops it).
+per-layer :class:`~lightning_mrs.sums.Sums` they add up; :meth:`LayerCapture.reduced` reduces them
+over ranks (:func:`reduce_over_ranks`), :func:`layer_metrics` turns them into the logged metrics.
 """
 
 from __future__ import annotations
@@ -217,8 +212,6 @@ def layer_metrics(tag: Callable[[str, str], str], layers: Sequence[LayerT], sums
         on_device.update({(layer.name, f): table[f].formula(s) for f in figures_of(layer)})
         counts = {seen, *(table[f].needs for f in figures_of(layer) if table[f].needs)}
         on_device.update({(layer.name, count): getattr(s, count) for count in counts})
-    if not on_device:
-        return {}
     host = {key: v.item() for key, v in to_host(on_device, torch.float64).items()}  # the one copy
     rows = {layer.name: {f: host[layer.name, f] for f in figures_of(layer)
                          if table[f].needs is None or host[layer.name, table[f].needs] > 0}

@@ -7,31 +7,15 @@ does, and logs how evenly the gradient is spread over the phasors
 (:mod:`lightning_mrs.stats` defines every figure). Between logging steps no hook is
 registered and nothing runs but a step-number check.
 
-Logging steps are Lightning's own (:mod:`lightning_mrs.callbacks.logging_steps`): the
-figures of a batch appear at the step its ``self.log`` metrics do, under automatic
-optimization (with or without gradient accumulation) and manual optimization (any number of
-optimizers) alike. That life cycle (when to open and close a capture, logging, warnings, state)
-is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; this module adds
-what is watched and computed.
-
-How a logging step works:
-
-1. ``on_train_batch_start`` opens a :class:`~lightning_mrs.callbacks.homogeneity_capture.Capture`:
-   a forward pre-hook on each norm layer hands the layer an alias of its input and registers
-   a tensor hook on it, so the hook sees the gradient flowing *through this layer* (not the
-   residual branch that shares ``x``).
-2. During backward each tensor hook reduces ``(x, dL/dx)`` to per-phasor sums, added under the
-   layer's name (micro-batches of gradient accumulation and several backward passes add up).
-3. ``on_before_optimizer_step``: the GradScaler's scale in force is read (Lightning unscales
-   parameter gradients before this hook, activation gradients stay scaled) and the weight
-   gradients of the MRS layers this optimizer owns are reduced.
-4. ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
-   optimization, every batch under manual): the capture is closed (its hooks removed); one
-   ``trainer.strategy.reduce(..., "sum")`` sums the sums over ranks (the step's only
-   collective, the same on every rank); the scale dropping across ``optimizer.step`` marks a
-   step the scaler skipped; figures are computed on the device, copied to the host once, and
-   logged from rank zero through every logger in ``trainer.loggers``. TensorBoard also gets
-   ``G_i`` histograms and, once, the "Phasor homogeneity" custom-scalars layout.
+The life cycle (Lightning's logging steps under automatic and manual optimization, opening and
+closing a capture, the one collective, logging, warnings, state) is
+:class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s; the hooks that see each
+layer's input gradient are :class:`~lightning_mrs.callbacks.homogeneity_capture.Capture`'s, the
+figures :func:`~lightning_mrs.callbacks.homogeneity_report.step_report`'s. This module adds the
+GradScaler: ``on_before_optimizer_step`` reads the scale the backward ran with (Lightning unscales
+parameter gradients before this hook, activation gradients stay scaled) and has the weight
+gradients of the MRS layers this optimizer owns reduced; the scale dropping across
+``optimizer.step`` marks a step the scaler skipped. TensorBoard also gets ``G_i`` histograms.
 """
 
 from __future__ import annotations
@@ -46,7 +30,7 @@ from typing_extensions import override
 from lightning_mrs.callbacks.capture import display_name, reduce_over_ranks
 from lightning_mrs.callbacks.homogeneity_capture import Capture, MonitoredLayer
 from lightning_mrs.callbacks.homogeneity_report import StepReport, step_report
-from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_fraction
+from lightning_mrs.callbacks.monitor_base import LoggingStepMonitor, check_count, check_fraction
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
 from lightning_mrs.swap.registry import NormSpec, iter_norm_layers
 
@@ -121,13 +105,7 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     ) -> None:
         super().__init__(log_every_n_steps, include=include, dashboard=dashboard)
         check_fraction(self.owner, "starved_threshold", starved_threshold, "a fraction of the median G_i")
-        if isinstance(histogram_every_n_logs, bool) or not isinstance(histogram_every_n_logs, int) or (
-            histogram_every_n_logs < 0
-        ):
-            raise ValueError(
-                "GradientHomogeneityMonitor: histogram_every_n_logs must be an int >= 0 (0 = never), "
-                f"got {histogram_every_n_logs!r}."
-            )
+        check_count(self.owner, "histogram_every_n_logs", histogram_every_n_logs, " (0 = never)", minimum=0, none=False)
         if on_nonfinite not in _ON_NONFINITE:
             raise ValueError(
                 f"GradientHomogeneityMonitor: on_nonfinite={on_nonfinite!r} is not valid; choose one of "
@@ -170,14 +148,12 @@ class GradientHomogeneityMonitor(LoggingStepMonitor[MonitoredLayer, Capture]):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         capture = self._capture
-        if capture is None:
-            return
-        if not capture.stepped:
-            capture.stepped = True
+        if capture is not None and not capture.stepped:
             scaler = self._scaler(trainer)
             # the scale the backward ran with: GradScaler.update() only changes it after the step
             capture.scale = float(scaler.get_scale()) if scaler is not None else None
-        if self.weight_grads:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # marks the capture stepped
+        if capture is not None and self.weight_grads:
             capture.record_weights(optimizer)
 
     # ------------------------------------------------------------------ reduce + log

@@ -38,17 +38,14 @@ from torch import Tensor
 from lightning_mrs.callbacks.capture import to_host
 from lightning_mrs.callbacks.homogeneity_capture import MonitoredLayer
 from lightning_mrs.callbacks.tb_layout import HOMOGENEITY
-from lightning_mrs.stats import PhasorSums, aggregate_stats, layer_stats
+from lightning_mrs.stats import STAT_NAMES, WEIGHT_STAT_NAMES, PhasorSums, aggregate_stats, layer_stats
 
 __all__ = ["LOGGED_STATS", "LOGGED_WEIGHT_STATS", "StepReport", "step_report"]
 
 #: Per-layer figures logged on a step with a finite gradient (``count``, ``finite`` are not).
-LOGGED_STATS: tuple[str, ...] = (
-    "grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac",
-    "radial_frac", "act_outlier_ratio", "nonfinite",
-)
-#: Weight-gradient figures logged for MRS layers.
-LOGGED_WEIGHT_STATS: tuple[str, ...] = ("wgrad_mean", "wgrad_cv")
+LOGGED_STATS: tuple[str, ...] = tuple(s for s in STAT_NAMES if s not in ("finite", "count"))
+#: Weight-gradient figures logged for MRS layers (not the counts).
+LOGGED_WEIGHT_STATS: tuple[str, ...] = tuple(s for s in WEIGHT_STAT_NAMES if not s.endswith("finite"))
 
 
 @dataclass

@@ -18,8 +18,6 @@ Example:
     >>> steps = LoggingSteps("MyMonitor", "my/*")
     >>> [n for n in range(10) if steps.is_logging_step(n, 4)]
     [3, 7]
-    >>> steps.first_logging_step(5, 4)
-    7
 """
 
 from __future__ import annotations
@@ -63,11 +61,6 @@ class LoggingSteps:
     @staticmethod
     def is_logging_step(n: int, interval: int) -> bool:
         return interval > 0 and (n + 1) % interval == 0
-
-    @staticmethod
-    def first_logging_step(n: int, interval: int) -> int:
-        """The smallest logging step ``>= n``."""
-        return -(-(n + 1) // interval) * interval - 1
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[str]:
         """Set the count at the start of training; a warning to give when it had to be guessed.
@@ -114,7 +107,7 @@ class LoggingSteps:
         end of the run, or :meth:`run_length` before it), else ``None``."""
         if interval <= 0 or end <= start:
             return None
-        first = self.first_logging_step(start, interval)
+        first = -(-(start + 1) // interval) * interval - 1  # the smallest logging step >= start
         if first < end:
             return None
         length = f"ended after step {int(end) - 1}" if ended else f"has at most {int(end)} steps"

@@ -20,17 +20,11 @@ class is that common part:
 * ``on_train_batch_end`` of the batch Lightning logs (the one that steps under automatic
   optimization, every batch under manual) closes it and hands it to :meth:`_finish`;
   an exception or teardown drops it;
-* while a capture is open, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``,
-  :data:`~lightning_mrs.callbacks.capture.eager_while_capturing`): hooks registered on a model
-  after ``torch.compile`` traced it are not called by compiled code, so the logging batch runs
-  without compilation and the figures are those of the eager model (with an interval of 1 every
-  batch is a logging batch, so a compiled model never runs compiled: warned once, at the start of
-  training or after the first batch for a model compiled in its first step);
-* :meth:`_finish` reduces a closed capture over ranks and logs the figures of the monitor's
-  :attr:`~LoggingStepMonitor.figures_table` (:func:`~lightning_mrs.callbacks.capture.layer_metrics`);
-  :meth:`_publish` logs a metrics dict from rank zero through every logger and writes the
-  monitor's TensorBoard dashboard once; warnings are given once per key (:meth:`_warn_once`),
-  those about the layers found in one wording (:meth:`_found`);
+* while a capture is open, compiled code runs eagerly
+  (:data:`~lightning_mrs.callbacks.capture.eager_while_capturing` says why; an interval of 1 is
+  warned about once, :meth:`~LoggingStepMonitor._warn_always_eager`);
+* :meth:`_finish` reduces a closed capture and logs its figures, :meth:`_publish` through every
+  logger; warnings are given once per key, those about the layers found in one wording (:meth:`_found`);
 * ``state_dict`` keeps ``n_logs`` and the logging-step count.
 """
 
@@ -57,11 +51,11 @@ __all__ = ["LoggingStepMonitor", "check_count", "check_fraction"]
 CaptureT = TypeVar("CaptureT", bound=LayerCapture)
 
 
-def check_count(owner: str, name: str, value: Any, none: str = "") -> None:
-    """Raise a ``ValueError`` naming ``owner`` unless ``value`` is ``None`` or an int >= 1
-    (``none``: what ``None`` means, appended to the message)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{owner}: {name} must be None or an int >= 1{none}, got {value!r}.")
+def check_count(owner: str, name: str, value: Any, note: str = "", minimum: int = 1, none: bool = True) -> None:
+    """Raise a ``ValueError`` naming ``owner`` unless ``value`` is an int >= ``minimum`` (or, with
+    ``none``, ``None``); ``note`` (what ``None`` or the minimum means) is appended to the message."""
+    if (value is not None or not none) and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{owner}: {name} must be {'None or ' * none}an int >= {minimum}{note}, got {value!r}.")
 
 
 def check_fraction(owner: str, name: str, value: Any, meaning: str) -> None:
@@ -89,8 +83,8 @@ class LoggingStepMonitor(Callback, ABC, Generic[LayerT, CaptureT]):
 
     owner: ClassVar[str]
     board: ClassVar[Dashboard]
-    #: figure name -> formula and pooling over layers, logged by :meth:`_finish`
-    figures_table: ClassVar[Mapping[str, Figure]] = {}
+    #: figure name -> formula and pooling over layers, logged by :meth:`_finish` (an instance may narrow it)
+    figures_table: Mapping[str, Figure] = {}
     #: the count field of the sums that says a layer was called on the step (else it is not logged)
     seen: ClassVar[str] = ""
     #: the hooks watch the training forward only (disarmed before backward)

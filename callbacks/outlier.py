@@ -1,16 +1,11 @@
 """``OutlierMonitor``: activation outliers at the input of every norm layer, live.
 
-The premise of ``docs/method.md``: in RMSNorm's ``sum_c x_c^2`` one large channel dominates the
-denominator quadratically (and overflows it when the squares are formed in float16), where
-MRSNorm's mean of pair magnitudes takes it in linearly. This monitor measures that premise on the
-tensors that really enter the norms during training: on logging steps only, a forward pre-hook
-on every norm layer (:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs` says which)
-reduces its input to a few figures on the device (:mod:`lightning_mrs.outlier_stats` defines them).
-
-On a logging step (Lightning's own, :mod:`lightning_mrs.callbacks.logging_steps`) the hooks
-(:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`) watch the training forward only;
-under DDP the maxima take ``ReduceOp.MAX`` and the counts add. Between logging steps no hook
-is registered. The life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
+It measures the premise of ``docs/method.md`` (:mod:`lightning_mrs.outlier_stats` states it and
+defines the figures) on the tensors that really enter the norms during training: on logging steps
+only, a forward pre-hook on every norm layer (which ones:
+:func:`~lightning_mrs.callbacks.outlier_report.find_norm_inputs`; the hooks:
+:class:`~lightning_mrs.callbacks.outlier_report.OutlierCapture`) reduces its input on the device
+during the training forward. The life cycle is :class:`~lightning_mrs.callbacks.monitor_base.LoggingStepMonitor`'s.
 """
 
 from __future__ import annotations
@@ -93,6 +88,7 @@ class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
             raise ValueError(f"OutlierMonitor: figures={list(figures)!r}: {unknown or 'none'} not valid; choose one or "
                              f"more of {list(FIGURE_NAMES)}.")
         self.figures = tuple(f for f in FIGURE_NAMES if f in figures)  # documented order, no repeats
+        self.figures_table = {f: FIGURES[f] for f in self.figures}
         self.per_layer = bool(per_layer)
 
     @override
@@ -109,7 +105,3 @@ class OutlierMonitor(LoggingStepMonitor[WatchedNorm, OutlierCapture]):
     @override
     def _open_capture(self, layers: list[WatchedNorm], step: int, pl_module: pl.LightningModule) -> OutlierCapture:
         return OutlierCapture(layers, step, pl_module.device, self._warn_once)
-
-    @override
-    def _figures_of(self, layer: WatchedNorm) -> tuple[str, ...]:
-        return self.figures

@@ -31,8 +31,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "OUTLIER", "PER_CHART", "Dashboard", "blocks", "every_layer",
-           "tensorboard_experiment"]
+__all__ = ["ATTENTION", "HOMOGENEITY", "LAYERS", "OUTLIER", "PER_CHART", "Dashboard", "blocks", "tensorboard_experiment"]
 
 #: the first component of every per-layer tag (after ``val`` in the Time Series' name order)
 LAYERS = "z-layers"
@@ -50,7 +49,9 @@ class Dashboard:
     Attributes:
         category: the category's title.
         prefix: the monitor's part of every tag (``<prefix>/all/<stat>``, ``z-layers/<prefix>/<layer>/<stat>``).
-        charts: ``(title, tag regexes)`` of the multiline charts, in display order.
+        charts: ``(title, stats)`` of the multiline charts, in display order: each stat is charted
+            over ``<prefix>/all`` and, per block of layers, over those layers; a stat written as a
+            regex (``"^...$"``) is a summary tag alone, charted as it is.
         band: ``(title with "{layer}", (value, lower, upper) stats)``: one margin chart per layer.
     """
 
@@ -75,9 +76,8 @@ class Dashboard:
         line of a chart can be told apart (the lines of one chart share a colour; a tooltip
         names the tag).
         """
-        every = re.escape(f"^({LAYERS}/)?{self.prefix}/.*/")  # the start of every_layer's regexes, as text
-        charts: Charts = {title: ["Multiline", [re.sub(every, lambda _: f"^{self.prefix}/all/", t) for t in tags]]
-                          for title, tags in self.charts}
+        charts: Charts = {title: ["Multiline", [s if s.startswith("^") else f"^{self.prefix}/all/{s}$" for s in stats]]
+                          for title, stats in self.charts}
         if self.band is not None:
             title, stats = self.band
             for layer in layers:
@@ -85,12 +85,9 @@ class Dashboard:
         out = {self.category: charts}
         for block in blocks(layers):
             names = "|".join(re.escape(layer or "root") for layer in block)
-            per_block: Charts = {}
-            for title, tags in self.charts:
-                mine = [re.sub(every, lambda _: f"^{LAYERS}/{self.prefix}/({names})/", t) for t in tags
-                        if re.match(every, t)]
-                if mine:
-                    per_block[title] = ["Multiline", mine]
+            per_block: Charts = {title: ["Multiline", [f"^{LAYERS}/{self.prefix}/({names})/{s}$" for s in stats
+                                                       if not s.startswith("^")]]
+                                 for title, stats in self.charts if not all(s.startswith("^") for s in stats)}
             if per_block:
                 out[f"{self.category}: {', '.join(layer or 'root' for layer in block)}"] = per_block
         return out
@@ -147,40 +144,18 @@ def blocks(layers: Sequence[str]) -> list[list[str]]:
     return out
 
 
-def every_layer(prefix: str, stat: str) -> str:
-    """The regex of ``stat``'s tags over every layer and ``all``.
-
-    Example:
-        >>> import re
-        >>> pattern = every_layer("phasor", "grad_cv")
-        >>> [bool(re.match(pattern, HOMOGENEITY.tag(layer, "grad_cv"))) for layer in ("all", "l1")]
-        [True, True]
-    """
-    return rf"^({LAYERS}/)?{prefix}/.*/{stat}$"
-
-
-def _multiline(prefix: str, charts: Sequence[tuple[str, Sequence[str]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """Charts of ``(title, stats)``: each stat's tag regex over every layer and ``all``."""
-    return tuple((title, tuple(every_layer(prefix, stat) for stat in stats)) for title, stats in charts)
-
-
 HOMOGENEITY = Dashboard(
     category="Phasor homogeneity",
     prefix="phasor",
     charts=(
-        ("grad_cv: std/mean of G_i (0 = homogeneous)", (every_layer("phasor", "grad_cv"),)),
-        ("starved_frac: share of phasors below threshold x median", (every_layer("phasor", "starved_frac"),)),
-        (
-            "nonfinite gradient entries and overflow-skipped steps",
-            (every_layer("phasor", "nonfinite"), r"^phasor/all/overflow_skipped$"),
-        ),
-        *_multiline("phasor", (
-            ("grad_max_ratio: max/median of G_i", ("grad_max_ratio",)),
-            ("grad_mean: mean G_i (unscaled)", ("grad_mean",)),
-            ("radial_frac: gradient energy along each phasor's direction", ("radial_frac",)),
-            ("act_outlier_ratio: max/mean input phasor magnitude", ("act_outlier_ratio",)),
-            ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", ("wgrad_cv",)),
-        )),
+        ("grad_cv: std/mean of G_i (0 = homogeneous)", ("grad_cv",)),
+        ("starved_frac: share of phasors below threshold x median", ("starved_frac",)),
+        ("nonfinite gradient entries and overflow-skipped steps", ("nonfinite", r"^phasor/all/overflow_skipped$")),
+        ("grad_max_ratio: max/median of G_i", ("grad_max_ratio",)),
+        ("grad_mean: mean G_i (unscaled)", ("grad_mean",)),
+        ("radial_frac: gradient energy along each phasor's direction", ("radial_frac",)),
+        ("act_outlier_ratio: max/mean input phasor magnitude", ("act_outlier_ratio",)),
+        ("wgrad_cv: std/mean of |dL/dw_i| (MRS layers)", ("wgrad_cv",)),
     ),
     band=("G_i of {layer}: median, 5-95 % band", ("grad_p50", "grad_p05", "grad_p95")),
 )
@@ -188,13 +163,13 @@ HOMOGENEITY = Dashboard(
 ATTENTION = Dashboard(
     category="Attention",
     prefix="attention",
-    charts=_multiline("attention", (
+    charts=(
         ("logit_max: largest |q.k| x scale (worst layer in all)", ("logit_max",)),
         ("collapsed_frac: share of attention rows with max weight > threshold", ("collapsed_frac",)),
         ("entropy_mean: softmax entropy in nats, mean over heads and queries", ("entropy_mean",)),
         ("entropy_min: mean entropy of the lowest head", ("entropy_min",)),
         ("q_norm_mean, k_norm_mean: mean |q|, |k| after the QK-norm", ("q_norm_mean", "k_norm_mean")),
-    )),
+    ),
 )
 
 
@@ -205,16 +180,14 @@ OUTLIER = Dashboard(
     charts=(
         ("share of the largest channel in the denominator, worst layer: RMSNorm's vs MRSNorm's",
          (r"^outlier/all/rms_share$", r"^outlier/all/mrs_share$")),
-        *_multiline("outlier", (
-            ("absmax: largest |x| entering each norm (worst layer in all)", ("absmax",)),
-            ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
-            ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
-            ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
-            ("x2_over_fp16_frac: share of inputs whose square would overflow float16 (|x| >= 256); "
-             "fp16_overflow_frac in 0.2.0 and before", ("x2_over_fp16_frac", "fp16_overflow_frac")),
-            ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
-            ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
-        )),
+        ("absmax: largest |x| entering each norm (worst layer in all)", ("absmax",)),
+        ("rms_share: max_c x_c^2 / sum_c x_c^2, worst token", ("rms_share",)),
+        ("mrs_share: max_i r_i / sum_i r_i (phasor pairs), worst token", ("mrs_share",)),
+        ("outlier_ratio: max_c |x_c| / median_c |x_c|, worst token (massive activations)", ("outlier_ratio",)),
+        ("x2_over_fp16_frac: share of inputs whose square would overflow float16 (|x| >= 256); "
+         "fp16_overflow_frac in 0.2.0 and before", ("x2_over_fp16_frac", "fp16_overflow_frac")),
+        ("kurtosis over channels, mean over tokens (3 = Gaussian)", ("kurtosis",)),
+        ("nonfinite: NaN/Inf inputs", ("nonfinite",)),
     ),
 )
 

@@ -48,9 +48,9 @@ The monitor leaves out ``mrs_share`` (:data:`FIGURES`: its ``needs``) when no to
 Example:
     >>> x = torch.ones(4, 8)
     >>> x[:, 3] = 50.0  # a planted outlier channel
-    >>> f = outlier_figures(outlier_sums(x))
-    >>> round(f["rms_share"].item(), 4), round(f["mrs_share"].item(), 4), f["outlier_ratio"].item()
-    (0.9972, 0.9218, 50.0)
+    >>> s = outlier_sums(x)
+    >>> [round(FIGURES[f].formula(s).item(), 4) for f in ("rms_share", "mrs_share", "outlier_ratio")]
+    [0.9972, 0.9218, 50.0]
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ __all__ = [
     "FP16_SQUARE_OVERFLOW",
     "OutlierSums",
     "RENAMED",
-    "outlier_figures",
     "outlier_sums",
 ]
 
@@ -221,8 +220,3 @@ FIGURES: dict[str, Figure] = {
 #: The figures :data:`FIGURES` gives, in their documented order.
 FIGURE_NAMES: tuple[str, ...] = tuple(FIGURES)
 
-
-def outlier_figures(sums: OutlierSums) -> dict[str, Tensor]:
-    """Every figure of :data:`FIGURES` (0-d tensors on the sums' device) from ``sums``; which ones
-    mean something is on the host side (:attr:`Figure.needs`, and ``tokens > 0``)."""
-    return {name: figure.formula(sums) for name, figure in FIGURES.items()}

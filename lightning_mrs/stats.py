@@ -49,25 +49,14 @@ __all__ = [
     "PhasorSums",
     "aggregate_stats",
     "layer_stats",
-    "phasor_grad_rms",
     "phasor_sums",
     "weight_grad_stats",
 ]
 
-#: The keys of the dict :func:`layer_stats` returns.
+#: The keys of the dict :func:`layer_stats` returns (its docstring defines them).
 STAT_NAMES: tuple[str, ...] = (
-    "grad_mean",  # mean_i G_i: the absolute (unscaled) gradient level
-    "grad_cv",  # std_i G_i / mean_i G_i: the homogeneity figure (0 = perfectly even)
-    "grad_max_ratio",  # max_i G_i / median_i G_i: domination by one phasor
-    "grad_p05",  # 5 % quantile of G_i (lower edge of the margin chart)
-    "grad_p50",  # median of G_i (the margin chart's line)
-    "grad_p95",  # 95 % quantile of G_i (upper edge)
-    "starved_frac",  # share of phasors with G_i < threshold * median
-    "radial_frac",  # share of gradient energy along each phasor's own direction
-    "act_outlier_ratio",  # max_i A_i / mean_i A_i, A_i = mean input phasor magnitude
-    "nonfinite",  # NaN/Inf gradient entries seen (excluded from everything above)
-    "finite",  # finite gradient entries the figures above come from (0: they mean nothing)
-    "count",  # samples x positions the figures are computed over
+    "grad_mean", "grad_cv", "grad_max_ratio", "grad_p05", "grad_p50", "grad_p95", "starved_frac", "radial_frac",
+    "act_outlier_ratio", "nonfinite", "finite", "count",
 )
 #: The keys of the dict :func:`weight_grad_stats` returns (an MRS layer's weight gradient).
 WEIGHT_STAT_NAMES: tuple[str, ...] = ("wgrad_mean", "wgrad_cv", "wgrad_nonfinite", "wgrad_finite")
@@ -180,25 +169,6 @@ def phasor_sums(x: Tensor, grad: Tensor, channel_dim: int) -> PhasorSums:
         )
 
 
-def phasor_grad_rms(sums: PhasorSums, grad_divisor: Number = 1.0) -> Tensor:
-    """``G_i``: the RMS over samples and positions of phasor ``i``'s gradient norm.
-
-    Args:
-        sums: :func:`phasor_sums` output (or a sum of them).
-        grad_divisor: what the captured gradients are multiplied by compared with the true
-            gradient of the (global-batch) loss: the GradScaler's scale times, under DDP, the
-            world size.
-
-    Returns:
-        ``(P,)`` float64 ``G_i``; zeros when nothing was captured. Overflowed sums saturate at
-        the float32 maximum instead of becoming Inf.
-    """
-    count = sums.count.to(torch.float64)
-    grad_sq = torch.nan_to_num(sums.grad_sq.to(torch.float64), nan=0.0, posinf=_FP32_MAX)  # (P,)
-    g_rms = (grad_sq / count.clamp_min(1.0)).sqrt() / grad_divisor  # (P,)
-    return torch.nan_to_num(g_rms, nan=0.0, posinf=_FP32_MAX)
-
-
 def _ratio(num: Tensor, den: Tensor, zero_over_zero: float) -> Tensor:
     """``num / den`` capped at :data:`RATIO_CAP`; ``0 / 0`` gives ``zero_over_zero``."""
     safe = den.clamp_min(torch.finfo(torch.float64).tiny)
@@ -215,7 +185,8 @@ def layer_stats(
 ) -> tuple[dict[str, Tensor], Tensor]:
     """The per-layer figures (:data:`STAT_NAMES`) from a layer's sums, on their device.
 
-    Definitions (``G_i`` from :func:`phasor_grad_rms`, ``A_i = act_abs[i] / count``):
+    Definitions (``G_i = sqrt(grad_sq[i] / count) / grad_divisor``, the RMS over samples and
+    positions of phasor ``i``'s gradient norm, 0 when nothing was captured; ``A_i = act_abs[i] / count``):
 
     * ``grad_mean = mean_i G_i``; ``grad_cv = std_i G_i / mean_i G_i`` (population std;
       ``0`` when every ``G_i`` is 0).
@@ -231,11 +202,14 @@ def layer_stats(
       entry NaN/Inf) the gradient figures take the neutral values above and mean nothing:
       callers leave them out (the monitor logs only ``nonfinite`` then).
 
-    Ratios are capped at :data:`RATIO_CAP`.
+    Ratios are capped at :data:`RATIO_CAP`; overflowed sums saturate at the float32 maximum
+    instead of becoming Inf.
 
     Args:
         sums: :func:`phasor_sums` output (or a sum of them).
-        grad_divisor: see :func:`phasor_grad_rms`.
+        grad_divisor: what the captured gradients are multiplied by compared with the true
+            gradient of the (global-batch) loss: the GradScaler's scale times, under DDP, the
+            world size.
         starved_threshold: the starvation threshold relative to the median ``G_i``.
 
     Returns:
@@ -251,7 +225,7 @@ def layer_stats(
     # fp32 sums of squares overflow only past |g| ~ 1e19: saturate them rather than make NaN
     s = {k: torch.nan_to_num(v.to(torch.float64), nan=0.0, posinf=_FP32_MAX) for k, v in sums.as_dict().items()}
     count, nonfinite = s["count"], s["nonfinite"]
-    g_rms = phasor_grad_rms(sums, grad_divisor)  # (P,)
+    g_rms = torch.nan_to_num((s["grad_sq"] / count.clamp_min(1.0)).sqrt() / grad_divisor, nan=0.0, posinf=_FP32_MAX)
     zero = count.new_zeros(())
     mean = g_rms.mean()
     std = g_rms.std(correction=0) if p > 1 else zero

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.outliers import outlier_ref
-from lightning_mrs.outlier_stats import FIGURE_NAMES, FIGURES, FP16_SQUARE_OVERFLOW, OutlierSums, outlier_figures, outlier_sums
+from lightning_mrs.outlier_stats import FIGURE_NAMES, FIGURES, FP16_SQUARE_OVERFLOW, OutlierSums, outlier_sums
 from lightning_mrs.sums import pool
 from lightning_mrs.stats import RATIO_CAP
 
@@ -22,8 +22,8 @@ TOLS = {torch.float64: (1e-9, 1e-12), torch.float32: (2e-5, 1e-6)}
 def figures(x: torch.Tensor, channel_dim: int = -1, **kw) -> dict[str, float]:
     """The figures the monitor would log for one input (the undefined ones left out)."""
     s = outlier_sums(x, channel_dim, **kw)
-    return {f: v.item() for f, v in outlier_figures(s).items() if s.tokens.item() > 0
-            and (FIGURES[f].needs is None or getattr(s, FIGURES[f].needs).item() > 0)}
+    return {f: figure.formula(s).item() for f, figure in FIGURES.items() if s.tokens.item() > 0
+            and (figure.needs is None or getattr(s, figure.needs).item() > 0)}
 
 
 def assert_matches(got: dict[str, float], ref: dict[str, float], rel: float, abs: float) -> None:

@@ -16,7 +16,6 @@ from lightning_mrs.stats import (
     PhasorSums,
     aggregate_stats,
     layer_stats,
-    phasor_grad_rms,
     phasor_sums,
     weight_grad_stats,
 )
@@ -287,9 +286,9 @@ def test_apply_flat_runs_once_and_restores_names() -> None:
     assert apply_flat({}, fn) == {}
 
 
-def test_phasor_grad_rms_divisor_and_bad_input() -> None:
+def test_grad_divisor_and_bad_input() -> None:
     sums = phasor_sums(torch.ones(4, 2), torch.full((4, 2), 3.0), -1)
-    assert phasor_grad_rms(sums, grad_divisor=2.0).item() == pytest.approx(math.sqrt(18.0) / 2)
+    assert layer_stats(sums, grad_divisor=2.0)[1].item() == pytest.approx(math.sqrt(18.0) / 2)  # G_0
     with pytest.raises(ValueError, match="even"):
         phasor_sums(torch.ones(2, 3), torch.ones(2, 3), -1)
     with pytest.raises(ValueError, match="shapes differ"):
