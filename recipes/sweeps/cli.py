@@ -42,8 +42,7 @@ _RECIPE_FIXES = ((": add text, lower --data.seq_len or change --data.val_fractio
                  (", or lower --data.seq_len.", "."))
 QUICK_NOTE = ("--quick runs one seed per cell, so every claim of its report is inconclusive by construction "
               "(a verdict needs at least 2 seeds of every cell a claim compares; the full grid runs 3)")
-LOCK_NOTE = ("A sweep locks its --out while it runs: a second sweep into the same --out refuses to start and names "
-             "the other process; the lock of a process that died is free again.")
+LOCK_NOTE = "A second sweep into a running sweep's --out refuses to start and names it; a dead sweep's lock is free."
 
 
 def usable_cpus() -> int:
@@ -100,12 +99,12 @@ class _OneLineParser(argparse.ArgumentParser):
 def _grouped(values: Mapping[str, str]) -> str:
     """``{"a": "1", "b": "2", "c": "2"}`` -> ``a 1; others 2``: each value once, the names listed (--dataset) once.
 
-    The value most names share is the others' (the first such on a tie); one value for every name is just the value.
+    The value most names share is the others' (the last such on a tie: the first name stays named); one value for every name is just the value.
     """
     names: dict[str, list[str]] = {}
     for name, value in values.items():
         names.setdefault(value, []).append(name)
-    common = max(names, key=lambda v: len(names[v]))
+    common = max(reversed(list(names)), key=lambda v: len(names[v]))
     return "; ".join([f"{', '.join(n)} {v}" for v, n in names.items() if v != common]
                      + [f"others {common}" if len(names) > 1 else common])
 

@@ -261,8 +261,8 @@ _SYNTHETIC_RESNET = {"layers": [1, 1, 1, 1], "channels": [32, 48, 64, 96], "stem
 
 NORM = Sweep(
     name="norm", arm_column="norm", flag="--norms", arms=("layer", "rms", "mrs", "batch", "dyt", "derf"),
-    arms_help="--sweep norm: norms to compare; batch keeps the model's BatchNorm; dyt, derf: the norm-free DyT and "
-              "Derf (issue 64's comparison, not in the default grid)",
+    arms_help="--sweep norm: norms to compare; batch keeps the model's BatchNorm; dyt, derf: norm-free (not in "
+              "the default grid)",
     # the paper's lrs (0.1, 0.3, 0.4) inside a log-spaced axis from 0.03 to 3
     grid={"arms": ["layer", "rms", "mrs", "batch"], "lrs": [0.03, 0.1, 0.3, 0.4, 1.0, 3.0],
           "batch_sizes": [32, 64, 128], "seeds": [0, 1, 2]},

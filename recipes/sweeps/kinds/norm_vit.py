@@ -40,7 +40,7 @@ NORM_VIT = dataclasses.replace(
     quick={"lrs": [0.003, 0.03], "seeds": [0], "epochs": {"digits": 2}},
     datasets={name: QK.datasets[name] for name in ("digits", "folder")}, default_dataset="digits",
     optimizer=QK.optimizer, weight_decay=QK.weight_decay, warmup_frac=QK.warmup_frac, optimizer_text=QK.optimizer_text,
-    help="norm-vit: the body norms of the digits ViT, with DyT and Derf (issue 64)",
+    help="norm-vit: the body norms of the digits ViT, with DyT and Derf",
     claims=claims, rule=RULE, title="ViT norm sweep: MRSNorm, LayerNorm, RMSNorm, DyT, Derf",
     cell_prefix="normvit-", out_stem="stress_norm_vit",
 )
