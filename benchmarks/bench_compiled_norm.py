@@ -7,9 +7,9 @@ the others in one process (``interleave.round_orders``), so machine noise hits t
 ==================================  ============================================================
 row                                 what the compiled graph calls
 ==================================  ============================================================
-``MRSNorm compiled``                the C++ row operators (``lightning_mrs.ops.cpu_torch_ops``)
-``MRSNorm compiled, Python ops``    the general ops, whose Python bodies run the same kernels
-                                    (``LIGHTNING_MRS_CPU_TORCH_OPS=0`` while it is traced)
+``MRSNorm compiled``                the operator pair, its C++ CPU kernels (``lightning_mrs.ops.library``)
+``MRSNorm compiled, Python ops``    the fallback pair asked for ``cpp``: a Python body around the
+                                    same operators (:class:`PythonOpsMRSNorm`)
 ``nn.RMSNorm compiled``             Inductor's own fused kernel: the ratio's denominator
 ``LlamaRMSNorm compiled``           the same, for transformers' norm (when it is installed)
 ==================================  ============================================================
@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,47 +44,35 @@ from interleave import time_steps  # noqa: E402 - the sibling helper
 from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import MRSNorm  # noqa: E402
+from lightning_mrs.ops.library import MRSNormFunction  # noqa: E402
 
 SHAPES = {"lm_2048x128": (2048, 128), "decode_1x128": (1, 128)}
 MODES = ("inference", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DENOMINATOR = "nn.RMSNorm compiled"
-_ENV = "LIGHTNING_MRS_CPU_TORCH_OPS"
-
-
-@contextmanager
-def python_ops() -> Iterator[None]:
-    """What is traced inside the block calls the general ops, not the C++ row operators
-    (``LIGHTNING_MRS_CPU_TORCH_OPS=0``; a graph keeps what it was traced with)."""
-    before = os.environ.get(_ENV)
-    os.environ[_ENV] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(_ENV, None)
-        else:
-            os.environ[_ENV] = before
 
 
 class PythonOpsMRSNorm(MRSNorm):
-    """MRSNorm under another class: Dynamo reuses a graph traced for a module of the same class
-    and shapes, which would give this row the other's graph (the operators are chosen when
-    tracing)."""
+    """MRSNorm whose graphs call the fallback pair with ``backend="cpp"``: its Python body runs the
+    same C++ operators, so the row measures what a Python operator body costs (and its own class:
+    Dynamo reuses a graph traced for a module of the same class and shapes)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return MRSNormFunction.apply(x, self.weight, self.eps, x.ndim - 1, False, "cpp")
 
 
-def rows(width: int) -> dict[str, tuple[Callable[[], nn.Module], bool]]:
-    """Row name -> (module factory, whether it is traced under :func:`python_ops`)."""
-    out: dict[str, tuple[Callable[[], nn.Module], bool]] = {
-        "MRSNorm compiled": (lambda: MRSNorm(width), False),
-        "MRSNorm compiled, Python ops": (lambda: PythonOpsMRSNorm(width), True),
-        DENOMINATOR: (lambda: nn.RMSNorm(width), False),
+def rows(width: int) -> dict[str, Callable[[], nn.Module]]:
+    """Row name -> module factory."""
+    out: dict[str, Callable[[], nn.Module]] = {
+        "MRSNorm compiled": lambda: MRSNorm(width),
+        "MRSNorm compiled, Python ops": lambda: PythonOpsMRSNorm(width),
+        DENOMINATOR: lambda: nn.RMSNorm(width),
     }
     try:
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
     except ImportError:
         return out
-    out["LlamaRMSNorm compiled"] = (lambda: LlamaRMSNorm(width), False)
+    out["LlamaRMSNorm compiled"] = lambda: LlamaRMSNorm(width)
     return out
 
 
@@ -101,14 +87,13 @@ def lightning_ops(call: Callable[[], None]) -> list[str]:
 class Case:
     """One compiled module, its input and the call that is timed."""
 
-    def __init__(self, factory: Callable[[], nn.Module], with_python_ops: bool, x: Tensor, train: bool) -> None:
+    def __init__(self, factory: Callable[[], nn.Module], x: Tensor, train: bool) -> None:
         self.module = factory().to(x.dtype)
         self.fn = torch.compile(self.module, fullgraph=True, dynamic=False)
         self.train = train
         self.x = x.detach().requires_grad_(train)
         self.gy = torch.randn_like(x)
-        with python_ops() if with_python_ops else nullcontext():
-            self()  # traced and compiled here, under the row's setting
+        self()  # traced and compiled here
         self.ops = lightning_ops(self)
 
     def __call__(self) -> None:
@@ -150,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 # each case compiles its module's forward once per group: without a reset, a third
                 # dtype or shape ran past Dynamo's recompile limit (8) and stopped the benchmark
                 torch._dynamo.reset()
-                cases = {name: Case(f, py, x, mode == "train") for name, (f, py) in rows(shape[-1]).items()}
+                cases = {name: Case(f, x, mode == "train") for name, f in rows(shape[-1]).items()}
                 times = time_steps(lambda n: cases[n](), list(cases), args.rounds, calls)
                 med = {n: statistics.median(t) for n, t in times.items()}
                 fast = {n: min(t) for n, t in times.items()}

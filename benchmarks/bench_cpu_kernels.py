@@ -2,9 +2,8 @@
 
 ``bench_norm.py`` times a module's forward+backward, which is the kernels plus what runs around
 them (the op's Python, the autograd Function, allocations). This script times only the calls
-that do the work, so that the two can be told apart: our ``cpp`` backend's ``forward`` and
-``backward`` (:mod:`lightning_mrs.ops.cpu_kernels`, on the canonical 3-d view the op hands them)
-against ``aten::native_layer_norm`` / ``native_group_norm`` and their backwards, which is what
+that do the work, so that the two can be told apart: the operators ``mrs_norm_fwd`` and
+``mrs_norm_bwd`` with their C++ CPU kernels (:mod:`lightning_mrs.ops.cpu_kernels`) against ``aten::native_layer_norm`` / ``native_group_norm`` and their backwards, which is what
 ``nn.LayerNorm`` and ``nn.GroupNorm`` run. Every row allocates its outputs, as the op does.
 Rows are interleaved in one process, in a new random order each round.
 
@@ -35,29 +34,27 @@ from interleave import round_orders  # noqa: E402 - the sibling helper
 from machine import check_kernel_sets, cpu_line  # noqa: E402
 
 from lightning_mrs.ops import cpu_kernels  # noqa: E402
-from lightning_mrs.ops.layout import Layout  # noqa: E402
+from lightning_mrs.ops import library  # noqa: E402
 
 EPS = 1e-6
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: name -> (input shape, the canonical 3-d view, its layout, the ATen peer)
+#: name -> (input shape, channel_dim, spatial, the ATen peer)
 CASES = {
-    "ln_8192x1024": ((8192, 1024), (8192, 1, 1024), Layout(last=True, spatial=False), "layer_norm"),
-    "ln_2048x4096": ((2048, 4096), (2048, 1, 4096), Layout(last=True, spatial=False), "layer_norm"),
-    "spatial_64x64x32x32": ((64, 64, 32, 32), (64, 64, 1024), Layout(last=False, spatial=True), "group_norm"),
+    "ln_8192x1024": ((8192, 1024), 1, False, "layer_norm"),
+    "ln_2048x4096": ((2048, 4096), 1, False, "layer_norm"),
+    "spatial_64x64x32x32": ((64, 64, 32, 32), 1, True, "group_norm"),
     # the norm of bench_lm_step.py's Llama (batch 16 x 128 tokens of width 128): short rows
-    "lm_2048x128": ((2048, 128), (2048, 1, 128), Layout(last=True, spatial=False), "layer_norm"),
+    "lm_2048x128": ((2048, 128), 1, False, "layer_norm"),
 }
 Calls = dict[str, Callable[[], object]]
 
 
-def ours(x: Tensor, g: Tensor, view3: tuple[int, int, int], layout: Layout) -> Calls:
-    """``{"fwd": ..., "bwd": ...}``: the cpp backend's two kernels, as the op calls them."""
-    x3, g3 = x.view(view3), g.view(view3)
-    channels = view3[2] if layout.last else view3[1]
-    w = torch.ones(channels // 2, dtype=x.dtype)  # (P,): a module cast to the input's dtype
-    _, r_sum = cpu_kernels.forward(x3, w, EPS, layout)
-    return {"fwd": lambda: cpu_kernels.forward(x3, w, EPS, layout),
-            "bwd": lambda: cpu_kernels.backward(x3, w, r_sum, g3, EPS, layout)}
+def ours(x: Tensor, g: Tensor, channel_dim: int, spatial: bool) -> Calls:
+    """``{"fwd": ..., "bwd": ...}``: the operator pair on the CPU (its C++ kernels), as the op calls it."""
+    w = torch.ones(x.shape[channel_dim] // 2, dtype=x.dtype)  # (P,): a module cast to the input's dtype
+    _, r_sum = library.FWD(x, w, EPS, channel_dim, spatial)
+    return {"fwd": lambda: library.FWD(x, w, EPS, channel_dim, spatial),
+            "bwd": lambda: library.BWD(g, x, w, r_sum, EPS, channel_dim, spatial, True)}
 
 
 def aten(x: Tensor, g: Tensor, peer: str) -> Calls:
@@ -80,14 +77,14 @@ def run_case(name: str, dtype: torch.dtype, repeats: int, inner: int, kernel_set
              clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """One row per implementation and pass (``fwd``, ``bwd``, their sum ``f+b``): the median and the
     fastest round, in ms and against ATen's same pass."""
-    shape, view3, layout, peer = CASES[name]
+    shape, channel_dim, spatial, peer = CASES[name]
     torch.manual_seed(0)
     x, g = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-    impls: dict[str, tuple[Calls, str | None]] = {"MRSNorm cpp": (ours(x, g, view3, layout), None),
+    impls: dict[str, tuple[Calls, str | None]] = {"MRSNorm cpp": (ours(x, g, channel_dim, spatial), None),
                                                   f"aten {peer}": (aten(x, g, peer), None)}
     for ks in kernel_sets:
         with cpu_kernels.using(ks):
-            impls[f"MRSNorm cpp [{ks}]"] = (ours(x, g, view3, layout), ks)
+            impls[f"MRSNorm cpp [{ks}]"] = (ours(x, g, channel_dim, spatial), ks)
     rows = [(impl, p) for impl in impls for p in ("fwd", "bwd")]
 
     def call(row: tuple[str, str]) -> None:

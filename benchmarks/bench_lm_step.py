@@ -9,10 +9,10 @@ The model is a transformers ``LlamaForCausalLM`` built from a config (nothing do
 * ``mrs``: every norm replaced by ``MRSNorm`` (``swap_norms(model, target="mrs")``);
 * ``mrs-formula`` (not run by default): ``mrs`` with ``backend="eager"``, the reference formula
   (under ``--compile``: Inductor's own code for it, the compiled path before the custom op);
-* ``mrs-python-ops`` (not run by default; under ``--compile``): ``mrs`` traced with the general
-  ops of ``lightning_mrs.ops.library`` in place of the C++ row operators, whose Python bodies
-  run the same kernels (``bench_compiled_norm.python_ops``). Its norms are a subclass of
-  ``MRSNorm``, so that Dynamo does not hand it the graph traced for ``mrs``.
+* ``mrs-python-ops`` (not run by default; under ``--compile``): ``mrs`` with the fallback operator
+  pair of ``lightning_mrs.ops.library`` asked for ``cpp``, whose Python body runs the same C++
+  operators (``bench_compiled_norm.PythonOpsMRSNorm``, a subclass of ``MRSNorm``, so that Dynamo
+  does not hand it the graph traced for ``mrs``).
 
 The swaps go through :func:`lightning_mrs.swap_norms`; a swap that converts nothing (or
 leaves a ``LlamaRMSNorm`` behind) stops the benchmark with an error rather than timing the
@@ -48,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interleave import ratio_interval, time_steps  # noqa: E402 - the sibling helper
-from bench_compiled_norm import PythonOpsMRSNorm, python_ops  # noqa: E402
+from bench_compiled_norm import PythonOpsMRSNorm  # noqa: E402
 from machine import cpu_line  # noqa: E402
 
 from lightning_mrs import swap_norms  # noqa: E402
@@ -92,7 +92,7 @@ def build(variant: str, layers: int, width: int, seq: int,
     if variant == "mrs-python-ops":
         for m in converted:
             m.__class__ = PythonOpsMRSNorm
-        how += ", the general ops when compiled"
+        how += ", the fallback pair's Python body around the C++ operators"
     return model, how
 
 
@@ -148,10 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         opts[v].step()
         phases[v].append((t1 - t0, t2 - t1, clock() - t2))
 
-    if args.compile and "mrs-python-ops" in models:  # traced now, with the general ops
-        with python_ops():
-            step("mrs-python-ops")
-        phases["mrs-python-ops"].clear()
     warmup = 2  # untimed steps per model first: the compiles, the allocator
     times = time_steps(step, list(models), args.rounds, args.steps, warmup=warmup, clock=clock)  # a random order each round
     med = {v: statistics.median(t) for v, t in times.items()}

@@ -6,8 +6,8 @@ inference (``torch.inference_mode``, one token when decoding) and forward+backwa
 rows of a case are interleaved in one process, in a random order each round (``interleave.py``); the figure of a round is
 the mean of ``--inner`` calls; the table gives the median and the fastest round.
 
-``--profile`` also times the stages of one call of the general path (what every input that
-is not the common case still pays) beside the fast path, on ``(1, 1, 2048)`` in inference.
+``--profile`` also times the stages of one call (the router, the operator) beside
+``backend="cpp"`` and the fallback pair, on ``(1, 1, 2048)`` in inference.
 
 Usage::
 
@@ -92,35 +92,27 @@ def run_case(shape: tuple[int, ...], mode: str, repeats: int, inner: int) -> dic
 
 def profile(inner: int) -> list[tuple[str, float]]:
     """Microseconds of the stages of one inference call on (1, 1, 2048), fastest of 7 rounds."""
-    from lightning_mrs.ops import cpu_kernels, dispatch, plan
+    from lightning_mrs.ops import dispatch, library
+    from lightning_mrs.ops.mrs_norm import normalize
 
     c = 2048
     m = MRSNorm(c)
     x = torch.randn(1, 1, c)
     w = m.weight.detach()
-    rows = dispatch.plan_for(x, w, 1e-6, -1, False, "auto")
-    fused = dispatch.plan_for(x, w, 1e-6, -1, False, "cpp")  # the general plan of the same kernel
-    can = fused.canonical
-    x3 = can.view(x)
     idle = nn.Identity()
     stages: dict[str, Callable[[], object]] = {
         "module call, fast path (total)": lambda: m(x),
         "nn.LayerNorm module call (total)": (lambda ln=nn.LayerNorm(c): ln(x)),
         "  an empty nn.Module call": lambda: idle(x),
         "  module.weight (nn.Module __getattr__)": lambda: m.weight,
-        "  dispatch.run (plan lookup + plan)": lambda: dispatch.run(x, w, 1e-6, -1, False, "auto", "mrs_norm"),
-        "    dispatch.plan_for (the key, the lookup)": lambda: dispatch.plan_for(x, w, 1e-6, -1, False, "auto"),
-        f"    the plan ({type(rows).__name__}: kernel + alloc)": lambda: rows(x, w, 1e-6),
-        "    cpu_kernels.rows_forward (kernel + alloc)": lambda: cpu_kernels.rows_forward(x, w, 1e-6, 1, 1, c, False),
+        "  normalize (the router: lookup + operator)": lambda: normalize(x, w, 1e-6, -1, False, "auto", "mrs_norm"),
+        "    the route lookup (key, dict)": lambda: dispatch.ROUTES.get(dispatch.key_of(x, w, 1e-6, -1, False, "auto")),
+        "    mrs_norm_fwd (dispatcher, C++ kernel, allocs)": lambda: library.FWD(x, w, 1e-6, 2, False),
         "    torch.empty_like (the output)": lambda: torch.empty_like(x),
-        "  a plan miss (checks, layout, backend choice)": lambda: dispatch._build(x, w, 1e-6, -1, False, "auto",
-                                                                                 "mrs_norm"),
-        "general plan (total, backend='cpp')": lambda: dispatch.run(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
-        "  FusedPlan.forward (view, kernel, restore)": lambda: fused.forward(x, w, 1e-6),
-        "    canonical.view": lambda: can.view(x),
-        "    cpp forward (backend interface)": lambda: cpu_kernels.forward(x3, w, 1e-6, can.layout),
-        "    canonical.restore": lambda: can.restore(x3),
-        "    _fresh (a non-view output)": lambda: plan._fresh(x3),
+        "  a route miss (checks, layout, backend choice)": lambda: dispatch._build(x, w, 1e-6, -1, False, "auto",
+                                                                                  "mrs_norm"),
+        "backend='cpp' (total)": lambda: normalize(x, w, 1e-6, -1, False, "cpp", "mrs_norm"),
+        "backend='torch', the fallback pair (total)": lambda: normalize(x, w, 1e-6, -1, False, "torch", "mrs_norm"),
     }
     out = []
     with torch.inference_mode():

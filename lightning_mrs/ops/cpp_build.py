@@ -1,6 +1,5 @@
-"""Building the C++ libraries of the CPU path on first use, once per machine: the compiler, the
-cache folder and the cached compile that both :mod:`.cpu_kernels` (the row and sample kernels)
-and :mod:`.cpu_torch_ops` (the torch operators around them) go through.
+"""Building the C++ library of the CPU path (:mod:`.cpu_kernels`) on first use, once per machine:
+the compiler, the cache folder and the cached compile.
 
 The cache folder is ``$LIGHTNING_MRS_CACHE``, else ``$XDG_CACHE_HOME/lightning_mrs`` (default
 ``~/.cache/lightning_mrs``), else, where that is not writable, a per-user folder in the temp dir.
@@ -56,13 +55,12 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"lightning_mrs_{user}"
 
 
-def compile_cached(name: str, cxx: str, flags: list[str], source: Path, contents: list[bytes],
+def compile_cached(name: str, cxx: str, flags: list[str], sources: list[Path], contents: list[bytes],
                    libs: tuple[str, ...] = ()) -> tuple[Path, Optional[str]]:
     """``(path, error)``: the library ``<name>_<key>.so`` in the cache folder, compiled by
-    ``cxx *flags source *libs -o path`` unless it is there already. ``key`` hashes ``contents``
+    ``cxx *flags *sources *libs -o path`` unless it is there already. ``key`` hashes ``contents``
     (what the sources hold, and what else must force a rebuild), the compiler's version, ``flags``
-    and ``libs``; ``error`` is the compiler's message when the compile failed, else ``None``.
-    Shared by :mod:`.cpu_kernels` and :mod:`.cpu_torch_ops`."""
+    and ``libs``; ``error`` is the compiler's message when the compile failed, else ``None``."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     parts = [*contents, version.encode(), " ".join([*flags, *libs]).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
@@ -74,7 +72,7 @@ def compile_cached(name: str, cxx: str, flags: list[str], source: Path, contents
     # complete file and the rename is atomic, so no lock is needed.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    proc = subprocess.run([cxx, *flags, str(source), *libs, "-o", tmp], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *flags, *map(str, sources), *libs, "-o", tmp], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
         return target, proc.stderr

@@ -1,20 +1,11 @@
-// The kernels of cpu_kernels.cpp written for AVX2 (8 float lanes): built wherever the compiler
-// targets AVX2, FMA and F16C (-march=native on such a CPU), unless the "generic" kernel set
-// asks for the loops of cpu_kernels.cpp alone; which dtypes run them is decided there
-// (kAvx2: all of them without AVX-512, float16 on AVX-512). Included by cpu_kernels.cpp only;
-// part of the build's cache key (lightning_mrs/ops/cpu_kernels.py).
-//
-// Why: on AVX2 the generic loops' compute, not memory, set the time of bfloat16/float16 rows (a
-// float32 row of the same shape took about as long). The row loops read a phasor's two channels
-// with stride 2, so the compiler deinterleaves them (vpermd + blends per vector), and half rows
-// go through float32 buffers. Here every load and store is contiguous and the half conversions
-// happen in registers (bfloat16: a shift; float16: F16C). In the rows the pairs stay inside a
-// vector: hadd of two vectors of squares gives 8 pair sums, one sqrt and one divide serve 16
-// channels, and unpacklo/unpackhi spread each pair's value back over its two lanes (the row
-// kernels themselves are cpu_rows.h's, over V8 below; cpu_avx512.h runs them over 16 lanes).
-// Same maths and the same float32 accumulation as the generic kernels; the sums run in another
-// order (tests: the float64 reference, and the portable build against this one). Where the build
-// also has AVX512_BF16 and AVX512VL, bfloat16 is stored with vcvtneps2bf16 on 8 lanes.
+// The kernels of cpu_kernels.cpp for AVX2 (8 float lanes), built where the compiler targets AVX2,
+// FMA and F16C unless the "generic" kernel set asks for the loops alone (kAvx2 in cpu_kernels.cpp
+// says which dtypes run them). Why: the generic loops read a phasor's two channels with stride 2
+// (deinterleaved by vpermd + blends) and convert half rows through buffers, so compute set the
+// time of half rows. Here loads and stores are contiguous, conversions happen in registers, and
+// the pairs stay inside a vector (cpu_rows.h over V8 below; cpu_avx512.h over 16 lanes). Same
+// maths and float32 accumulation; the sums run in another order. With AVX512_BF16 and AVX512VL,
+// bfloat16 is stored with vcvtneps2bf16 on 8 lanes.
 #pragma once
 
 // MRS_KERNELS_AVX2 / MRS_KERNELS_GENERIC: the kernel sets "avx2" and "generic" (cpu_kernels.py:

@@ -1,26 +1,10 @@
-// The AVX-512 kernels of cpu_kernels.cpp: built where cpu_half.h defines MRS_AVX512_BF16 (the
-// compiler targets AVX-512 and AVX512_BF16, -march=native on such a CPU, and the "generic" kernel
-// set does not ask for the loops of cpu_kernels.cpp alone). Included by cpu_kernels.cpp only;
-// part of the build's cache key (lightning_mrs/ops/cpu_kernels.py). Two parts:
-//
-// The bfloat16 output loops of the sample kernels (NCHW per sample). In those loops the compiler
-// rounds each float to bfloat16 with integer maths (about ten vector instructions per 16 values,
-// then a pack), and that store set the time. Plain truncation (wrong rounding, a bound) made the
-// backward 20 % and the forward 18 % faster on an AVX-512 EPYC; vcvtneps2bf16 rounds to nearest
-// even in one instruction. A float32 buffer between the loop and the conversion (as float16
-// does) was 15-19 % slower than the integer maths instead: here the loads, the maths and the
-// store stay in registers.
-//
-// The vector type V16 of the row kernels (tokens, NHWC; cpu_rows.h, shared with cpu_avx2.h's 8
-// lanes): two permutes of two vectors of squares give 16 pair sums, one sqrt (and one divide)
-// serve 32 channels, and two more permutes spread each pair's value back over its two lanes. Why:
-// the generic loops read the pairs with stride 2 and convert half rows through float32 buffers;
-// on an Intel AVX-512 Xeon a bfloat16 forward of (2048, 128) took twice float16's time there
-// (docs/performance-lm.md#avx-512-row-kernels). Where they run: kAvx512Rows in
-// cpu_kernels.cpp.
-//
-// Same maths as the generic loops; sums run in another order and products may fuse otherwise
-// (tests: the float64 reference, and the generic kernels).
+// The AVX-512 kernels of cpu_kernels.cpp, built where cpu_half.h defines MRS_AVX512_BF16. Two parts:
+// the bfloat16 output loops of the sample kernels (NCHW per sample), where the compiler's integer
+// rounding (ten instructions per 16 values) set the time and vcvtneps2bf16 rounds to nearest even
+// in one, in registers (a float32 buffer was 15-19 % slower); and the vector type V16 of the row
+// kernels (cpu_rows.h): two permutes give 16 pair sums, one sqrt serves 32 channels
+// (docs/performance-lm.md#avx-512-row-kernels; where they run: kAvx512Rows in cpu_kernels.cpp).
+// Same maths as the generic loops; sums run in another order and products may fuse otherwise.
 #pragma once
 
 #include "cpu_half.h"  // MRS_AVX512_BF16, store16

@@ -1,7 +1,5 @@
-// Float <-> bfloat16 / float16 conversions of the CPU kernels (cpu_kernels.cpp), the float32
-// row buffers the kernels convert through, the weight as float32 and the per-thread weight-
-// gradient rows. Included by cpu_kernels.cpp only; part of the build's cache key
-// (lightning_mrs/ops/cpu_kernels.py).
+// Float <-> bfloat16 / float16 conversions of the CPU kernels, the float32 row buffers they
+// convert through, the weight as float32 and the per-thread weight-gradient rows.
 #pragma once
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -18,12 +16,9 @@
 
 namespace mrs {
 
-// Half rows go through float32 buffers a block of kBlock values at a time: whole buffers of
-// a 4096-wide row (x, g and dx: 48 KiB) would not stay in L1 beside the weight and the
-// weight-gradient row, and the backward ran at twice float32's time per byte. A row of at
-// most kBlock channels is one block, converted once for both passes. Float rows are read in
-// place, in one block. The sample kernels (cpu_sample.h) convert their float16 rows of
-// positions the same way.
+// Half rows go through float32 buffers kBlock values at a time (whole buffers of a 4096-wide row
+// left L1 and doubled the backward's time per byte); a row of at most kBlock channels is one
+// block, converted once for both passes. Float rows are read in place.
 constexpr int64_t kBlock = 512;  // even: a block holds whole pairs
 
 inline float as_float(uint32_t u) {
@@ -220,13 +215,10 @@ inline const float* weight_f32(const void* w, int wkind, int64_t P, std::vector<
   return buf.data();
 }
 
-// Per-thread weight-gradient rows (nt rows of n), summed into dw once all rows are done: no
-// two threads write the same address, and no second pass over x and g is needed. The rows are
-// pages apart: adjacent rows (even a cache line or more apart, as they were) made the two-thread
-// backward of 2048 x 128 rows x1.9 slower in float32 and bfloat16 on an Intel AVX-512 Xeon
-// (bench_cpu_kernels.py lm_2048x128: 0.114 -> 0.060 ms, 0.166 -> 0.082 ms), most likely the
-// hardware prefetchers pulling the other thread's lines of the same page. Rows each thread
-// allocated itself, in its own malloc arena, fixed float32 and slowed bfloat16.
+// Per-thread weight-gradient rows (nt rows of n), summed into dw once all rows are done: no two
+// threads write the same address, no second pass over x and g. The rows are pages apart:
+// adjacent ones made the two-thread backward of 2048 x 128 x1.9 slower on an AVX-512 Xeon (the
+// prefetchers pulling the other thread's lines; bench_cpu_kernels.py lm_2048x128).
 class DwBuffers {
  public:
   static constexpr int64_t kPage = 4096 / sizeof(float);  // floats per 4 KiB page

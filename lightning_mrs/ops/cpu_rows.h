@@ -1,14 +1,9 @@
-// The row kernels (tokens, NHWC: G groups of L rows of C channels, channels contiguous, one S
-// per group) of cpu_avx2.h (8 lanes) and cpu_avx512.h (16 lanes), written once over a vector
-// type V. Included by those two headers only; part of the build's cache key
-// (lightning_mrs/ops/cpu_kernels.py).
-//
-// Every load and store is contiguous and the half conversions happen in registers (V::load and
-// V::store). A phasor's two channels stay in one vector: V::pair_squares turns two vectors of
-// channels into one vector of pair sums of squares, so one sqrt (and in the backward one divide)
-// serves 2 V::kLanes channels, and V::spread_lo / spread_hi put each pair's value back over its
-// two lanes. Same maths and the same float32 accumulation as the generic loops of cpu_kernels.cpp;
-// the sums run in another order (tests: the float64 reference, and the generic kernels).
+// The row kernels (tokens, NHWC: G groups of L rows of C contiguous channels, one S per group) of
+// cpu_avx2.h (8 lanes) and cpu_avx512.h (16 lanes), written once over a vector type V. Loads and
+// stores are contiguous, half conversions in registers; V::pair_squares turns two vectors of
+// channels into one of pair sums, so one sqrt serves 2 V::kLanes channels, and V::spread_lo /
+// spread_hi put each pair's value back over its two lanes. Same maths and float32 accumulation
+// as the generic loops; the sums run in another order.
 //
 // What V provides (static): R (the register), kLanes, zero, set1, load (float, bf16, f16), store
 // (the same three), store2 (two registers at once: one pack for bfloat16 on AVX2), add, mul, div,

@@ -1,7 +1,6 @@
-// The per-sample kernels (NCHW per sample: A samples of C channels of L positions, positions
-// contiguous, one S per sample), the generic loops that every build has; cpu_kernels.cpp says
-// which dtypes run cpu_avx2.h's instead (kAvx2) and exports them. Included by cpu_kernels.cpp
-// only; part of the build's cache key (lightning_mrs/ops/cpu_kernels.py).
+// The per-sample kernels (NCHW: A samples of C channels of L contiguous positions, one S per
+// sample), the generic loops every build has; kAvx2 in cpu_kernels.cpp says which dtypes run
+// cpu_avx2.h's instead.
 #pragma once
 
 #include <omp.h>

@@ -1,11 +1,7 @@
-"""The dispatch of a call: the backend table, and the one cache of plans.
+"""Which kernel runs a kind of call: the backend table, consulted once per kind of call.
 
-**The backends.** Every backend is a module that implements :class:`Backend`: a ``forward``
-and a ``backward`` on the canonical 3-d views of :mod:`lightning_mrs.ops.layout`, and
-``unavailable(key, explicit)``, which says why it cannot run a :class:`DispatchKey`
-(``None`` when it can). :data:`KERNELS` lists them in the order ``backend="auto"`` tries
-them; :data:`BACKENDS` is every value the op's ``backend=`` takes (``auto``, ``eager``: the
-reference formula, and these names):
+:data:`KERNELS` lists the backends in the order ``backend="auto"`` tries them; :data:`BACKENDS` is
+every value of ``backend=`` (also ``auto`` and ``eager``, the reference formula):
 
 ========== ====================================================== ===============================
 name       what                                                   ``auto`` picks it for
@@ -17,29 +13,13 @@ inductor   the torch bodies compiled (:mod:`.inductor_kernels`)   the rest, >= 2
 torch      the torch bodies run eagerly (:mod:`.torch_kernels`)   the rest (float64, small, meta)
 ========== ====================================================== ===============================
 
-The choice (:func:`choose`) depends only on the :class:`DispatchKey` (device type, dtype,
-layout, whether the view is dense, whether the tensor is large) and on the request.
-
-**The plan of a call.** Everything decided before a kernel runs - the argument checks, the
-canonical view, the backend, whether the C++ row kernels can take the tensor as it is -
-depends only on what kind of call it is: the input's type, shape, strides (only whether it is
-contiguous, when it is), dtype and device, the weight's type, shape, dtype, device and
-contiguity, ``eps``, ``channel_dim``, ``spatial`` and the request. :func:`plan_for` looks
-that key up in one cache (:data:`PLANS`); on a miss it checks the arguments
-(:mod:`.validation`: a bad call raises there, every time, and is never cached), maps the
-layout, chooses the backend and builds a plan (:mod:`.plan`), which then runs every call of
-that kind. The op's fast path is the cheapest plan, not a second router: a dozen attribute
-reads, one dict lookup, one kernel call. The environment variables
-(``LIGHTNING_MRS_CPU_KERNELS``, ``LIGHTNING_MRS_COMPILE_MIN_NUMEL``, ``TRITON_INTERPRET``) are
-read when a plan is built; :func:`clear_cache` forgets every plan (tests, or after changing
-those variables).
-
-One eager call of ``MRSNorm.forward`` visits, in order and once each: ``modules.py`` (the
-layer's width check) -> ``mrs_norm.py`` (``normalize``: ``torch.compile``, ``torch.func`` and
-tracing go elsewhere) -> ``dispatch.py`` (:func:`run`: the key and the lookup) -> ``plan.py``
-(the plan runs) -> ``function.py`` (only when autograd records the call) -> the backend
-(``cpu_kernels.py`` for tokens on the CPU). A miss adds ``validation.py``, ``layout.py`` and
-the backends' ``unavailable`` once per kind of call.
+``cpp`` on the CPU and ``triton`` on CUDA are the kernels of the operator pair ``mrs_norm_fwd``/
+``mrs_norm_bwd`` (:mod:`.library`); every other choice runs the fallback pair, whose body calls
+that backend on the canonical view of :mod:`.layout`. A :class:`Route` depends only on the key
+of :func:`key_of`; :func:`route_for` looks it up in :data:`ROUTES` and only on a miss checks the
+arguments (:mod:`.validation`: a bad call raises every time, never cached), maps the layout and
+chooses. Environment variables (``LIGHTNING_MRS_CPU_KERNELS``, ``LIGHTNING_MRS_COMPILE_MIN_NUMEL``,
+``TRITON_INTERPRET``) are read on a miss; :func:`clear_cache` forgets every route.
 """
 
 from __future__ import annotations
@@ -47,20 +27,18 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from typing import Optional, Protocol
+from types import ModuleType
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_mrs.ops import cpu_kernels
-from lightning_mrs.ops.layout import Canonical, DispatchKey, Layout
-from lightning_mrs.ops.plan import EagerPlan, FusedPlan, Plan, RowsPlan
+from lightning_mrs.ops.layout import Canonical, DispatchKey
 from lightning_mrs.ops.validation import check_inputs
 
-__all__ = [
-    "BACKENDS", "Backend", "KERNELS", "PLANS", "check_backend", "choose", "clear_cache", "compile_min_numel",
-    "get_backend", "plan_for", "run",
-]
+__all__ = ["BACKENDS", "KERNELS", "ROUTES", "Route", "check_backend", "choose", "clear_cache", "compile_min_numel",
+           "compiled_fallback", "get_backend", "key_of", "route_for"]
 
 #: Kernel backend name -> module, in the order ``backend="auto"`` tries them.
 KERNELS: dict[str, str] = {
@@ -69,42 +47,36 @@ KERNELS: dict[str, str] = {
     "inductor": "lightning_mrs.ops.inductor_kernels",
     "torch": "lightning_mrs.ops.torch_kernels",
 }
-#: The values of the op's ``backend=``: ``auto`` (the default) picks the fastest available
-#: kernel, ``eager`` runs the reference formula, a name of :data:`KERNELS` forces that kernel
-#: (benchmarks, bug reports). Every answer of ``which_backend`` is one of them.
+#: ``auto`` (the default) picks the fastest available kernel, ``eager`` runs the reference formula,
+#: a name of :data:`KERNELS` forces that kernel; every answer of ``which_backend`` is one of them.
 BACKENDS: tuple[str, ...] = ("auto", "eager", *KERNELS)
-_ROWS = Layout(last=True, spatial=False)  # tokens: channels contiguous, one S per row
-_ROW_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))  # what the C++ kernels read in place
-_ROW_TYPES = (Tensor, torch.nn.Parameter)  # not a tensor subclass (DTensor...): the general plan
+_PLAIN = (Tensor, torch.nn.Parameter)  # a tensor subclass (DTensor...) runs the reference formula
 _DEFAULT_COMPILE_MIN_NUMEL = 1 << 18  # 1 MiB of fp32: below, a compile is not worth its seconds
-_MAX_PLANS = 4096  # kinds of call seen by a process: a model has a few dozen
+_MAX_ROUTES = 4096  # kinds of call seen by a process: a model has a few dozen
 
 
-class Backend(Protocol):
-    """What every backend module implements (``x3``: a canonical view, ``w``: the per-phasor
-    gain ``(P,)`` in its own dtype or ``None``, ``r_sum``: ``P * S`` per group as the forward
-    returned it; the backward's ``dw`` is ``(P,)``, in float32 or the compute dtype)."""
+class Route(NamedTuple):
+    """What a kind of call runs."""
 
-    NAME: str
-
-    def unavailable(self, key: DispatchKey, explicit: bool) -> Optional[str]: ...
-
-    def forward(self, x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]: ...
-
-    def backward(
-        self, x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout
-    ) -> tuple[Tensor, Optional[Tensor]]: ...
+    kernel: str  # which_backend's answer: "eager" (the reference formula) or a name of KERNELS
+    channel_dim: int  # checked, non-negative
+    eps: float
+    fallback: Optional[str]  # None: the operator pair; else the backend the fallback pair runs
+    canonical: Optional[Canonical]  # the kernels' view (None for the formula)
 
 
-#: The plan of every kind of call seen so far (see the module docstring for the key).
-PLANS: dict[tuple, Plan] = {}
+ROUTES: dict[tuple, Route] = {}
 _LOCK = threading.Lock()
 _SETTINGS: dict[str, int] = {}
+_MODULES: dict[str, ModuleType] = {}
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str) -> ModuleType:
     """The backend module called ``name`` (imported on first use: triton is heavy)."""
-    return importlib.import_module(KERNELS[name])  # type: ignore[return-value]
+    module = _MODULES.get(name)
+    if module is None:
+        module = _MODULES[name] = importlib.import_module(KERNELS[name])
+    return module
 
 
 def compile_min_numel() -> int:
@@ -115,9 +87,9 @@ def compile_min_numel() -> int:
 
 
 def clear_cache() -> None:
-    """Forget every plan and re-read the environment variables on the next call."""
+    """Forget every route and re-read the environment variables on the next call."""
     with _LOCK:
-        PLANS.clear()
+        ROUTES.clear()
         _SETTINGS.clear()
 
 
@@ -125,6 +97,32 @@ def check_backend(backend: str, caller: str) -> None:
     """Raise a ``ValueError`` listing :data:`BACKENDS` for an unknown ``backend``."""
     if backend not in BACKENDS:
         raise ValueError(f"{caller}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+
+
+def _cpp_unavailable(key: DispatchKey) -> Optional[str]:
+    """Why the C++ kernels do not cover ``key``, or ``None`` (builds them on the first call that needs them)."""
+    if key.device_type != "cpu":
+        return f"the C++ kernels run on the CPU, not on {key.device_type}"
+    if key.dtype not in cpu_kernels.DTYPES:
+        return f"they cover float32/bfloat16/float16, not {key.dtype}"
+    if not key.dense:
+        return "they need the channels contiguous, or the positions contiguous with spatial=True, in a dense tensor"
+    if not (key.layout.last or key.layout.spatial):
+        return "they need the channels contiguous, or the positions contiguous with spatial=True"
+    if os.environ.get("LIGHTNING_MRS_CPU_KERNELS", "1") == "0":
+        return "LIGHTNING_MRS_CPU_KERNELS=0"
+    if not cpu_kernels.available(key.dtype):
+        return f"the library could not be built: {cpu_kernels.build_error()}"
+    return None
+
+
+def unavailable(name: str, key: DispatchKey, explicit: bool) -> Optional[str]:
+    """Why backend ``name`` cannot run ``key`` (``explicit``: asked for by name), or ``None``."""
+    if name == "cpp":
+        return _cpp_unavailable(key)
+    if name == "torch":
+        return None  # the plain bodies run everywhere (any device, dtype and layout)
+    return get_backend(name).unavailable(key, explicit)
 
 
 def choose(key: DispatchKey, request: str = "auto") -> str:
@@ -135,7 +133,7 @@ def choose(key: DispatchKey, request: str = "auto") -> str:
         ValueError: an explicit request that cannot run ``key``, with the reason.
     """
     if request != "auto":
-        reason = get_backend(request).unavailable(key, explicit=True)
+        reason = unavailable(request, key, explicit=True)
         if reason is not None:
             raise ValueError(
                 f"mrs_norm(backend={request!r}) cannot run a {key.device_type} {key.dtype} input with "
@@ -144,64 +142,63 @@ def choose(key: DispatchKey, request: str = "auto") -> str:
             )
         return request
     for name in KERNELS:
-        if get_backend(name).unavailable(key, explicit=False) is None:
+        if unavailable(name, key, explicit=False) is None:
             return name
     raise AssertionError("the torch backend runs everywhere")  # pragma: no cover
 
 
+def key_of(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, backend: str) -> tuple:
+    """Every attribute that decides a route (the strides only when not contiguous, the device
+    only off the CPU: is_cpu is the cheaper read); mrs_norm.normalize builds it inline."""
+    return (type(x), x.shape, None if x.is_contiguous() else x.stride(), x.dtype, None if x.is_cpu else x.device,
+            eps, channel_dim, spatial, backend,
+            None if weight is None else (type(weight), weight.shape, weight.dtype,
+                                         None if weight.is_cpu else weight.device))
+
+
 def _build(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, request: str,
-           caller: str) -> Plan:
+           caller: str) -> Route:
     channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
     check_backend(request, caller)
-    numel = x.numel()
-    groups = x.shape[0] if spatial else (numel // x.shape[channel_dim] if numel else 0)
-    canonical = Canonical.of(x, channel_dim, spatial) if numel else None
-    if request == "eager" or canonical is None:
-        bodies = None if canonical is None else FusedPlan("torch", get_backend("torch"), channel_dim, spatial, canonical)  # type: ignore[arg-type]
-        return EagerPlan(channel_dim, spatial, groups, bodies)
-    key = DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.dense, numel >= compile_min_numel())
-    backend = choose(key, request)
-    if backend == cpu_kernels.NAME and request == "auto" and _rows_take(x, weight, canonical):
-        return RowsPlan(channel_dim, groups, x.shape[channel_dim])
-    return FusedPlan(backend, get_backend(backend), channel_dim, spatial, canonical)  # type: ignore[arg-type]
+    plain = type(x) in _PLAIN and (weight is None or type(weight) in _PLAIN)
+    if request == "eager" or x.numel() == 0 or not plain:
+        return Route("eager", channel_dim, float(eps), None, None)
+    canonical = Canonical.of(x, channel_dim, spatial)
+    key = DispatchKey(x.device.type, x.dtype, canonical.layout, canonical.dense, x.numel() >= compile_min_numel())
+    name = choose(key, request)
+    on_op = name == "cpp" or (name == "triton" and key.device_type == "cuda")
+    return Route(name, channel_dim, float(eps), None if on_op else name, canonical)
 
 
-def _rows_take(x: Tensor, weight: Optional[Tensor], canonical: Canonical) -> bool:
-    """The C++ row kernels can take ``x`` and ``weight`` as they are (no view, no conversion)."""
-    return (
-        canonical.layout == _ROWS and type(x) is Tensor and x.is_contiguous()
-        and (weight is None or (type(weight) in _ROW_TYPES and weight.is_contiguous() and weight.dtype in _ROW_DTYPES))
-    )
-
-
-def plan_for(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, backend: str,
-             caller: str = "mrs_norm") -> Plan:
-    """The plan of this kind of call, built (and the arguments checked) on its first call.
+def route_for(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, backend: str,
+              caller: str = "mrs_norm") -> Route:
+    """The route of this kind of call, built (and the arguments checked) on its first call.
 
     Raises:
-        ValueError, RuntimeError: a bad argument (:func:`lightning_mrs.ops.validation.check_inputs`),
-            an unknown backend, or an explicit backend that cannot run the input.
+        ValueError, RuntimeError: a bad argument, an unknown backend, or an explicit backend that
+            cannot run the input.
     """
-    # every attribute that decides a plan; the strides only when they are not the contiguous
-    # ones, the device only off the CPU (is_cpu is the cheaper read)
-    key = (
-        type(x), x.shape, None if x.is_contiguous() else x.stride(), x.dtype, None if x.is_cpu else x.device,
-        eps, channel_dim, spatial, backend,
-        None if weight is None else (
-            type(weight), weight.shape, weight.dtype, None if weight.is_cpu else weight.device, weight.is_contiguous()
-        ),
-    )
-    plan = PLANS.get(key)
-    if plan is None:
-        plan = _build(x, weight, eps, channel_dim, spatial, backend, caller)
+    key = key_of(x, weight, eps, channel_dim, spatial, backend)
+    route = ROUTES.get(key)
+    if route is None:
+        route = _build(x, weight, eps, channel_dim, spatial, backend, caller)
         with _LOCK:
-            if len(PLANS) >= _MAX_PLANS:
-                PLANS.clear()
-            PLANS[key] = plan
-    return plan
+            if len(ROUTES) >= _MAX_ROUTES:
+                ROUTES.clear()
+            ROUTES[key] = route
+    return route
 
 
-def run(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, backend: str,
-        caller: str) -> Tensor:
-    """The op on ``x``: its plan (:func:`plan_for`), run."""
-    return plan_for(x, weight, eps, channel_dim, spatial, backend, caller)(x, weight, eps)
+@torch.compiler.assume_constant_result  # evaluated once when tracing, its answer kept in the graph
+def compiled_fallback(device_type: str, dtype: torch.dtype, ndim: int, channel_dim: int, spatial: bool,
+                      backend: str, form: str) -> Optional[str]:
+    """What a compiled graph calls for an input of ``form`` (``contiguous``, ``channels_last`` or
+    ``other``): ``None`` for the operator pair, else the request the fallback pair resolves when
+    it runs (the number of elements may change the choice). Asked of :func:`route_for` on a
+    probe of that kind, so the one router decides; sizes of 2 keep every stride meaningful."""
+    if form == "other":  # any strides: the fallback pair looks at the real tensor
+        return backend
+    probe = torch.zeros((2,) * ndim, dtype=dtype, device=device_type)
+    if form == "channels_last":
+        probe = probe.contiguous(memory_format=torch.channels_last)
+    return None if route_for(probe, None, 1e-6, channel_dim, spatial, backend).fallback is None else backend

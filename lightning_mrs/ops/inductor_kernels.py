@@ -1,21 +1,13 @@
-"""The ``inductor`` backend: the plain-torch bodies of :mod:`lightning_mrs.ops.torch_kernels`
-compiled by Inductor (C++/OpenMP on the CPU, Triton on a GPU) on first use.
+"""The ``inductor`` backend: the plain-torch bodies of :mod:`.torch_kernels` compiled by Inductor
+(C++/OpenMP on the CPU, Triton on a GPU) on first use, with symbolic sizes (``dynamic=True``;
+``LIGHTNING_MRS_DYNAMIC=0`` specialises on widths and resolutions).
 
-All sizes are symbolic (``dynamic=True``): new batch sizes, widths and resolutions reuse the
-compiled code (sizes 0/1 and ``A*L % 8`` in the backward are the only specialisations);
-``LIGHTNING_MRS_DYNAMIC=0`` specialises on the widths and resolutions (the batch stays
-dynamic).
-
-Failures are never swallowed whole:
-
-* ``auto`` does not pick this backend where it cannot compile (no C++ compiler for CPU tensors,
-  no Triton for CUDA ones): :func:`unavailable` says why.
-* A toolchain failure while compiling (a broken or missing compiler: Inductor's
-  ``InvalidCxxCompiler``, ``CppCompileError``, ``CUDACompileError``) is a property of the machine,
-  so one ``RuntimeWarning`` names it and the bodies run eagerly for the rest of the process.
-* A body that reaches Dynamo's variant limit runs its new variants eagerly (one warning per body);
-  the compiled variants stay in use.
-* Out of memory, and any other failure, is raised (with the way out: ``backend="torch"``).
+Failures are never swallowed whole: ``auto`` does not pick this backend where it cannot compile
+(:func:`unavailable` says why); a toolchain failure while compiling (Inductor's
+``InvalidCxxCompiler``, ``CppCompileError``, ``CUDACompileError``) gives one ``RuntimeWarning`` and
+the bodies run eagerly for the rest of the process; a body past Dynamo's variant limit runs its new
+variants eagerly (one warning); out of memory and any other failure is raised, with the way out
+(``backend="torch"``).
 """
 
 from __future__ import annotations
@@ -34,9 +26,8 @@ from torch import Tensor
 from lightning_mrs.ops import cpp_build, torch_kernels
 from lightning_mrs.ops.layout import DispatchKey, Layout
 
-__all__ = ["NAME", "backward", "compile_failed", "forward", "unavailable"]
+__all__ = ["backward", "compile_failed", "forward", "unavailable"]
 
-NAME = "inductor"
 _COMPILE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COMPILED: dict[str, Callable] = {}  # one compiled function per body, for the process
 _LOCK = threading.Lock()
@@ -166,10 +157,10 @@ def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
 
 def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
     """``(y3, r_sum)`` of the compiled forward body."""
-    return torch_kernels.call_forward(x3, w, eps, layout, run=_run)
+    return torch_kernels.forward(x3, w, eps, layout, run=_run)
 
 
 def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
              layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
     """``(dx3, dw)`` of the compiled backward body."""
-    return torch_kernels.call_backward(x3, w, r_sum, g3, eps, layout, run=_run)
+    return torch_kernels.backward(x3, w, r_sum, g3, eps, layout, run=_run)

@@ -1,22 +1,12 @@
 """The kernels' view of an input: any layout as a 3-d tensor, and the way back.
 
-Every kernel sees one of two canonical shapes, with one ``S`` per ``(a, l)``
-(``spatial=False``) or per ``a`` (``spatial=True``):
-
-* ``(A, L, C)`` when the channels have stride 1 (tokens, NHWC, ``channels_last``,
-  a permuted view with the channels last): the ``last`` kernels;
-* ``(A, C, L)`` otherwise (NCHW, a channels-first view of any memory format).
-
-The mapping permutes the input's dims, then reshapes. The permutation follows the memory
-order (the dims sorted by stride): with one ``S`` per position any grouping of the other
-dims into ``A`` and ``L`` is right, so they are taken as they lie in memory; with one ``S``
-per sample the batch dim comes first and the others follow in memory order. So every dense
-layout (any permutation of a contiguous tensor) is a view, except one ``S`` per sample with
-the channels neither innermost nor next to the batch dim (``(N, H, C, W)`` in memory) or the
-batch dim not outermost; those, and odd strides (slices, expanded dims), are copied. It is
-always a *logical* mapping, so it is right for any strides; only the cost of the reshape
-depends on them. A call's :class:`Canonical` is built once per kind of call, with its plan
-(:mod:`lightning_mrs.ops.dispatch`).
+Every kernel sees ``(A, L, C)`` when the channels have stride 1 (tokens, NHWC, a permuted view
+with the channels last; the ``last`` kernels) or ``(A, C, L)`` otherwise (NCHW), with one ``S``
+per ``(a, l)`` or (``spatial``) per ``a``. The mapping permutes the dims in memory order (with one
+``S`` per sample, the batch dim first), then reshapes: every dense layout is a view, except one
+``S`` per sample with the channels neither innermost nor next to the batch dim, or the batch dim
+not outermost; those, and odd strides (slices, expanded dims), are copied. The mapping is
+logical, right for any strides; only the reshape's cost depends on them.
 """
 
 from __future__ import annotations

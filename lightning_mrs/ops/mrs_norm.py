@@ -8,17 +8,12 @@ Where the mean is taken (``docs/method.md#where-the-mean-is-taken``):
   per (sample, position), ``spatial=True`` one ``S`` per sample, shared over all phasors at
   all positions (like ``GroupNorm(1, C)``).
 
-How a call runs (:func:`normalize`):
-
-* eagerly, the plan of this kind of call runs (:func:`lightning_mrs.ops.dispatch.run`: resolved
-  and cached once per kind of call, see :mod:`lightning_mrs.ops.dispatch`);
-* inside ``torch.compile``, an autograd Function over two ops (:mod:`lightning_mrs.ops.library`):
-  for CPU tokens the C++ row operators ``torch.ops.lightning_mrs.rows_forward`` and
-  ``rows_backward``, else ``mrs_norm_forward`` and its backward, which run the same plan: no
-  graph break, and Inductor keeps the hand-written kernels;
-* under ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), forward-mode AD
-  (``torch.autograd.forward_ad``), ``torch.export`` and ``torch.jit.trace``, the reference formula (:mod:`lightning_mrs.ops.reference`), which the
-  transforms differentiate and batch and which an exported program records as plain torch ops.
+How a call runs (:func:`normalize`, the router; ``docs/development.md#life-of-a-call``): the
+reference formula where portability needs it (``torch.func`` transforms, forward-mode AD,
+``torch.jit.trace``, ``torch.export``, empty inputs, tensor subclasses, ``backend="eager"``),
+otherwise the operator (:mod:`.library`), its kernel chosen once per kind of call
+(:mod:`.dispatch`), called alone when autograd does not record the call, else through the one
+autograd Function, which ``torch.compile`` traces too.
 """
 
 from __future__ import annotations
@@ -29,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from lightning_mrs.ops import library
-from lightning_mrs.ops.dispatch import BACKENDS, check_backend, plan_for, run
+from lightning_mrs.ops.dispatch import BACKENDS, ROUTES, check_backend, compiled_fallback, route_for
+from lightning_mrs.ops.library import FWD, MRSNormFunction, fallback_fwd
 from lightning_mrs.ops.reference import mrs_norm_reference, mrs_scale_reference
 from lightning_mrs.ops.validation import check_inputs
 
@@ -49,16 +44,43 @@ def normalize(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int,
               backend: str, caller: str) -> Tensor:
     """:func:`mrs_norm` with the caller's name in error messages (the modules pass theirs)."""
     if torch.compiler.is_compiling():  # first: Dynamo must see nothing else of the eager path
-        channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
-        check_backend(backend, caller)
-        if backend == "eager" or torch.compiler.is_exporting() or x.numel() == 0:
-            return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-        return library.compiled_mrs_norm(x, weight, float(eps), channel_dim, spatial, backend)
+        return _compiled(x, weight, eps, channel_dim, spatial, backend, caller)
     if _formula_only():
         channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
         check_backend(backend, caller)
         return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
-    return run(x, weight, eps, channel_dim, spatial, backend, caller)
+    # dispatch.key_of inline (the hot path is this lookup and one operator call)
+    route = ROUTES.get((type(x), x.shape, None if x.is_contiguous() else x.stride(), x.dtype,
+                        None if x.is_cpu else x.device, eps, channel_dim, spatial, backend,
+                        None if weight is None else (type(weight), weight.shape, weight.dtype,
+                                                     None if weight.is_cpu else weight.device)))
+    if route is None:  # a new kind of call: checked, and its kernel chosen
+        route = route_for(x, weight, eps, channel_dim, spatial, backend, caller)
+    if route.kernel == "eager":
+        return mrs_norm_reference(x, weight, route.eps, route.channel_dim, spatial)
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return MRSNormFunction.apply(x, weight, route.eps, route.channel_dim, spatial, route.fallback, route)
+    if route.fallback is None:
+        return FWD(x, weight, route.eps, route.channel_dim, spatial)[0]
+    return fallback_fwd(x, weight, route.eps, route.channel_dim, spatial, route.fallback, route)[0]
+
+
+def _compiled(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, spatial: bool, backend: str,
+              caller: str) -> Tensor:
+    """What ``torch.compile`` traces: the checks, then the Function (the formula where exported)."""
+    channel_dim = check_inputs(x, weight, eps, channel_dim, spatial, caller)
+    check_backend(backend, caller)
+    plain = type(x) in (Tensor, torch.nn.Parameter) and (weight is None or type(weight) in (Tensor, torch.nn.Parameter))
+    if backend == "eager" or torch.compiler.is_exporting() or x.numel() == 0 or not plain:
+        return mrs_norm_reference(x, weight, eps, channel_dim, spatial)
+    if x.is_contiguous():
+        form = "contiguous"
+    elif x.ndim == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        form = "channels_last"
+    else:
+        form = "other"
+    fallback = compiled_fallback(x.device.type, x.dtype, x.ndim, channel_dim, spatial, backend, form)
+    return MRSNormFunction.apply(x, weight, float(eps), channel_dim, spatial, fallback)
 
 
 def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, backend: str = "auto") -> str:
@@ -74,7 +96,7 @@ def which_backend(x: Tensor, *, channel_dim: int = -1, spatial: bool = False, ba
         check_inputs(x, None, 1e-6, channel_dim, spatial, "which_backend")
         check_backend(backend, "which_backend")
         return "eager"
-    return plan_for(x, None, 1e-6, channel_dim, spatial, backend, "which_backend").backend
+    return route_for(x, None, 1e-6, channel_dim, spatial, backend, "which_backend").kernel
 
 
 def mrs_norm(

@@ -1,10 +1,6 @@
-"""The fused MRSNorm's forward and backward as plain torch bodies: the ``torch`` backend.
-
-The bodies take the canonical 3-d views of :mod:`lightning_mrs.ops.layout`: ``A`` groups of
-``C`` channels at ``L`` positions, one ``S`` per ``(a, l)`` (``spatial=False``) or per ``a``
-(``spatial=True``). Run eagerly they are the backend of float64, tiny tensors, meta tensors
-and machines without a compiler; :mod:`lightning_mrs.ops.inductor_kernels` compiles the very
-same functions.
+"""The fused MRSNorm's forward and backward as plain torch bodies: the ``torch`` backend (float64,
+tiny and meta tensors, no compiler), compiled as they are by :mod:`.inductor_kernels`. They take
+the canonical 3-d views of :mod:`.layout`, one ``S`` per ``(a, l)`` or (``spatial``) per ``a``:
 
 * ``*_last``: ``(A, L, C)`` with the channels contiguous (tokens, NHWC). The partner of a
   channel is read with two shifted contiguous loads (``x[c+1]``/``x[c-1]``) and an even-
@@ -13,11 +9,9 @@ same functions.
 * ``*_first``: ``(A, C, L)`` with the positions contiguous (NCHW). Here the strided even/odd
   views ``x3[:, 0::2]``/``x3[:, 1::2]`` are whole rows of ``L`` and vectorise along ``L``.
 
-Only ``x`` and one scale per group are needed by the backward;
-the pair magnitudes ``r`` are recomputed there (``x`` is in cache, cheaper than storing r).
-The forward returns the group's ``r_sum = P * S`` (the reduction's own output) rather than
-``1/S``: a separate ``1/S`` output would be one more kernel between the reduction and the
-normalisation and stop Inductor from fusing both into one loop over the groups.
+The backward recomputes the pair magnitudes from ``x``. The forward returns ``r_sum = P * S``
+(the reduction's own output) rather than ``1/S``, which would be one more kernel between the
+reduction and the normalisation and stop Inductor from fusing them.
 """
 
 from __future__ import annotations
@@ -28,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_mrs.ops.layout import DispatchKey, Layout
+from lightning_mrs.ops.layout import Layout
 from lightning_mrs.ops.validation import compute_dtype
 
-__all__ = ["BODIES", "NAME", "backward", "call_backward", "call_forward", "forward", "per_channel", "unavailable"]
+__all__ = ["BODIES", "backward", "forward", "per_channel"]
 
-NAME = "torch"
 _DW_SPLIT = 8  # rows summed together before the column reduction of dw (see _col_sum)
 
 
@@ -167,33 +160,8 @@ def _bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps:
     return dx.to(x3.dtype), dw
 
 
-# Distinct code objects, so that a compiled version of each keeps its own Dynamo cache (the
-# recompile limit is per code object).
-def fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float,
-             spatial: bool) -> tuple[Tensor, Tensor]:
-    """``(y3, r_sum)`` for ``x3`` of shape ``(A, L, C)``, channels contiguous."""
-    return _fwd_last(x3, w2, even_mask, eps, spatial)
-
-
-def bwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, r_sum: Tensor, g3: Tensor, eps: float,
-             spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """``(dx3, dw)`` of :func:`fwd_last` for the upstream gradient ``g3``."""
-    return _bwd_last(x3, w2, even_mask, r_sum, g3, eps, spatial)
-
-
-def fwd_first(x3: Tensor, w2: Optional[Tensor], eps: float, spatial: bool) -> tuple[Tensor, Tensor]:
-    """``(y3, r_sum)`` for ``x3`` of shape ``(A, C, L)``, channels strided."""
-    return _fwd_first(x3, w2, eps, spatial)
-
-
-def bwd_first(x3: Tensor, w2: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
-              spatial: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """``(dx3, dw)`` of :func:`fwd_first` for the upstream gradient ``g3``."""
-    return _bwd_first(x3, w2, r_sum, g3, eps, spatial)
-
-
 BODIES: dict[str, Callable[..., tuple[Tensor, Optional[Tensor]]]] = {
-    "fwd_last": fwd_last, "bwd_last": bwd_last, "fwd_first": fwd_first, "bwd_first": bwd_first,
+    "fwd_last": _fwd_last, "bwd_last": _bwd_last, "fwd_first": _fwd_first, "bwd_first": _bwd_first,
 }
 _MASKS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}  # (C, dtype, device) -> mask
 
@@ -215,37 +183,20 @@ def _eager(name: str, *args: object) -> tuple[Tensor, Optional[Tensor]]:
     return BODIES[name](*args)
 
 
-def call_forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout,
-                 run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
+def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout,
+            run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
     """``(y3, r_sum)`` through the body of ``layout``, executed by ``run`` (``w``: the
-    per-phasor gain ``(P,)`` or ``None``)."""
+    per-phasor gain ``(P,)`` or ``None``; ``r_sum``: ``P * S`` per group, float32 or float64)."""
     w2 = per_channel(w)  # (C,)
     if layout.last:
         return run("fwd_last", x3, w2, _even_mask(x3), eps, layout.spatial)
     return run("fwd_first", x3, w2, eps, layout.spatial)
 
 
-def call_backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout,
-                  run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
-    """``(dx3, dw)`` through the body of ``layout``, executed by ``run``."""
+def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float, layout: Layout,
+             run: Runner = _eager) -> tuple[Tensor, Optional[Tensor]]:
+    """``(dx3, dw)`` through the body of ``layout``, executed by ``run`` (``dw``: ``(P,)`` or ``None``)."""
     w2 = per_channel(w)  # (C,)
     if layout.last:
         return run("bwd_last", x3, w2, _even_mask(x3), r_sum, g3, eps, layout.spatial)
     return run("bwd_first", x3, w2, r_sum, g3, eps, layout.spatial)
-
-
-# --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------
-def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
-    """The plain bodies run everywhere (any device, dtype and layout)."""
-    return None
-
-
-def forward(x3: Tensor, w: Optional[Tensor], eps: float, layout: Layout) -> tuple[Tensor, Tensor]:
-    """``(y3, r_sum)``: the output view and ``P * S`` per group (float32, or float64)."""
-    return call_forward(x3, w, eps, layout)
-
-
-def backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor, eps: float,
-             layout: Layout) -> tuple[Tensor, Optional[Tensor]]:
-    """``(dx3, dw)``: the input gradient view and the ``(P,)`` weight gradient (or ``None``)."""
-    return call_backward(x3, w, r_sum, g3, eps, layout)

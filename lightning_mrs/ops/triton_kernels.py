@@ -1,25 +1,16 @@
-"""The ``triton`` backend: MRSNorm kernels for CUDA, one ``S`` per position (Liger-Kernel's
-RMSNorm pattern; the launch choices and their reasons are in :mod:`.triton_launch`).
+"""The ``triton`` backend: the operators' CUDA kernels, one ``S`` per position (Liger-Kernel's
+RMSNorm pattern; launch choices in :mod:`.triton_launch`), on the canonical views of :mod:`.layout`.
 
-Two pairs of kernels, after the canonical views of :mod:`lightning_mrs.ops.layout`:
+* **rows** (``(A, L, C)``, channels contiguous): a program loads a ``(ROWS, BLOCK_C)`` tile of
+  whole rows in one vectorised load and splits even and odd channels with ``tl.reshape`` +
+  ``tl.split`` (``tl.interleave`` puts them back);
+* **columns** (``(A, C, L)``, or any strides): a tile of every phasor at ``BLOCK_L`` positions,
+  the even and odd channels two loads vectorised along ``L``.
 
-* **rows** (``(A, 1, C)`` or ``(A, L, C)``, channels contiguous: tokens, NHWC): a program
-  loads a ``(ROWS, BLOCK_C)`` tile of whole rows in one contiguous (vectorised) load, and
-  splits it into its even and odd channels with ``tl.reshape(..., (ROWS, BLOCK_P, 2))`` +
-  ``tl.split``; results are put back together with ``tl.interleave`` and stored the same way.
-* **columns** (``(A, C, L)``, positions inner: NCHW, or any strides): a tile of every phasor
-  at ``BLOCK_L`` positions; the even and odd channels are two loads, each a contiguous run of
-  positions (vectorised along ``L``).
-
-The forward stores ``y`` and the per-position ``r_sum = P * S`` (float32, ``(A, 1, L)``);
-the backward recomputes ``r`` from ``x``, and, like Liger's, runs a few persistent programs
-per SM that each sum their part of ``dw`` in registers (one ``(programs, P)`` buffer, summed
-at the end). Every offset that is a stride times an index is computed in 64 bits. The
-``(P,)`` weight is read as it is and interleaved in registers. A row wider than 65,536
-channels (more than a program holds in registers) runs the ``torch`` backend's bodies.
-
-Imports without triton (:func:`unavailable` then says so); tested on the CPU under
-``TRITON_INTERPRET=1`` (``tests/ops/test_triton_interpret.py``).
+The forward stores ``y`` and ``r_sum = P * S`` (float32, ``(A, 1, L)``); the backward recomputes
+``r`` and runs a few persistent programs per SM that each sum their part of ``dw`` in registers.
+Offsets are 64-bit. Rows wider than 65,536 channels run the ``torch`` bodies. Imports without
+triton; tested on the CPU under ``TRITON_INTERPRET=1`` (``tests/ops/test_triton_interpret.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +31,8 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
-__all__ = ["NAME", "available", "backward", "forward", "unavailable"]
+__all__ = ["available", "backward", "forward", "unavailable"]
 
-NAME = "triton"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

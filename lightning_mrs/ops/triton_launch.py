@@ -1,26 +1,13 @@
-"""The launch arithmetic of the Triton kernels: tile sizes, warps and grids, as pure functions.
+"""The launch arithmetic of the Triton kernels: tiles, warps and grids, as pure functions (free of
+triton, so every choice is tested alone, for shapes no test could allocate).
 
-Kept apart from :mod:`lightning_mrs.ops.triton_kernels` (and free of triton) so that every
-choice is tested on its own, for shapes no test could allocate: rows past 65,535 blocks,
-tensors past 2^31 elements.
-
-**Tiles.** A program holds a whole row (all ``C`` channels, the next power of two) in
-registers, and, where rows are short, several rows at once, so that every program moves
-about :data:`TILE` elements: a QK-norm of head_dim 128 runs 16 rows per program with 4 warps,
-where one row per program would leave 3 of 4 warps idle and launch 16x the programs.
-Liger-Kernel's RMSNorm makes the same choice with a fixed 16 rows at ``C <= 256``.
-
-**Warps.** :func:`warps_for` gives each thread 16 float32 values of a tile (``elements /
-512`` warps, 1 to 32): 4 warps for the 2,048-element tiles, 8 from 4,096 channels, 16 from
-8,192, 32 from 16,384. Liger's table (``calculate_settings``) stays at 16 warps up to 32,767
-channels, 32 float32 per thread and tensor; our backward holds ``x``, ``g`` and the product
-of both per thread, so 32 warps from 16,384 halves the registers where spills would start.
-
-**Grids.** One dimension, folded: ``min(blocks, 2^31 - 1)`` programs on grid dim 0 (CUDA's
-limit; dims 1 and 2 are capped at 65,535, which a grid of ``(A, cdiv(L, BLOCK_L))`` passed for
-large NCHW inputs), each program looping over ``range(pid, blocks, programs)``; the backward
-is persistent, a few programs per SM (:func:`persistent_programs`), each summing its part of
-``dw`` in registers.
+**Tiles.** A program holds whole rows (the next power of two of ``C``) in registers, several where
+rows are short, so that every program moves about :data:`TILE` elements (Liger's RMSNorm: 16
+rows at ``C <= 256``). **Warps.** :func:`warps_for`: 16 float32 values of a tile per thread (4 warps
+for 2,048 elements, 32 from 16,384: the backward holds ``x``, ``g`` and their product, so more
+warps where registers would spill). **Grids.** One dimension, folded: at most ``2^31 - 1``
+programs, each looping over ``range(pid, blocks, programs)``; the backward is persistent, a few
+programs per SM (:func:`persistent_programs`), each summing its part of ``dw`` in registers.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """``benchmarks/bench_compiled_norm.py`` (and ``bench_lm_step.py``'s ``mrs-python-ops``): each row
-times the compiled path it names - the C++ row operators, or the general ops - not the other."""
+times the compiled path it names - the C++ operators, or a Python operator body around them - not the other."""
 
 from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,15 @@ import torch
 
 from helpers import ROOT
 
-from lightning_mrs.ops import cpu_torch_ops
+from helpers.checks import needs_cpp
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_compiled_norm as bench  # noqa: E402 - the benchmark under test
 
-pytestmark = pytest.mark.skipif(not cpu_torch_ops.load(), reason=f"no C++ operators here: {cpu_torch_ops.build_error()}")
+pytestmark = needs_cpp
 
-ROWS = ["rows_backward", "rows_forward"]
-GENERAL = ["mrs_norm_backward_kernels", "mrs_norm_forward"]
+ROWS = ["mrs_norm_bwd", "mrs_norm_fwd"]
+GENERAL = ["mrs_norm_bwd", "mrs_norm_bwd_fallback", "mrs_norm_fwd", "mrs_norm_fwd_fallback"]  # the body calls them
 
 
 def test_each_row_runs_the_ops_it_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,13 +32,13 @@ def test_each_row_runs_the_ops_it_names(tmp_path: Path, capsys: pytest.CaptureFi
     data = json.loads(out.read_text())
     assert data["decode_1x128 float32 train"]["ops"]["MRSNorm compiled"] == ROWS
     assert data["decode_1x128 float32 train"]["ops"]["MRSNorm compiled, Python ops"] == GENERAL
-    assert data["decode_1x128 float32 inference"]["ops"]["MRSNorm compiled"] == ["rows_forward"]
+    assert data["decode_1x128 float32 inference"]["ops"]["MRSNorm compiled"] == ["mrs_norm_fwd"]
     assert data["decode_1x128 float32 inference"]["ops"][bench.DENOMINATOR] == []
     for key in data:
         assert all(t > 0 for t in data[key]["median_s"].values())
 
 
-def test_the_lm_steps_python_ops_variant_traces_the_general_ops() -> None:
+def test_the_lm_steps_python_ops_variant_traces_the_fallback_pair() -> None:
     pytest.importorskip("transformers")
     import bench_lm_step
 
@@ -52,8 +51,7 @@ def test_the_lm_steps_python_ops_variant_traces_the_general_ops() -> None:
         def step() -> None:
             forward(input_ids=tokens, labels=tokens).loss.backward()
 
-        with bench.python_ops() if variant == "mrs-python-ops" else nullcontext():
-            step()  # traced here
+        step()  # traced here
         seen[variant] = bench.lightning_ops(step)
     assert seen == {"mrs": ROWS, "mrs-python-ops": GENERAL}
 

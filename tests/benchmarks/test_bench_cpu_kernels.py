@@ -16,13 +16,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_cpu_kernels as bench  # noqa: E402 - the benchmark under test
 
 from lightning_mrs import mrs_norm  # noqa: E402
-from lightning_mrs.ops import cpu_kernels  # noqa: E402
-from lightning_mrs.ops.layout import Layout  # noqa: E402
+from lightning_mrs.ops import cpu_kernels, library  # noqa: E402
 
-# small stand-ins for the benchmark's cases: (shape, view, layout, peer, the op's channel_dim and spatial)
+# small stand-ins for the benchmark's cases: (shape, the op's channel_dim, spatial, peer)
 TINY = {
-    "rows": ((6, 10), (6, 1, 10), Layout(last=True, spatial=False), "layer_norm", -1, False),
-    "spatial": ((3, 6, 4, 5), (3, 6, 20), Layout(last=False, spatial=True), "group_norm", 1, True),
+    "rows": ((6, 10), 1, False, "layer_norm"),
+    "spatial": ((3, 6, 4, 5), 1, True, "group_norm"),
 }
 
 
@@ -30,9 +29,9 @@ TINY = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(TINY))
 def test_the_timed_calls_are_the_op_and_atens_norm(case: str, dtype: torch.dtype) -> None:
-    shape, view3, layout, peer, channel_dim, spatial = TINY[case]
+    shape, channel_dim, spatial, peer = TINY[case]
     x, g = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
-    ours = bench.ours(x, g, view3, layout)
+    ours = bench.ours(x, g, channel_dim, spatial)
     # ours: the forward and the input gradient of the op (through autograd) with a weight of ones
     xr = x.detach().requires_grad_()
     y = mrs_norm(xr, torch.ones(shape[channel_dim] // 2, dtype=dtype), channel_dim=channel_dim, spatial=spatial)
@@ -52,11 +51,11 @@ def test_the_timed_calls_are_the_op_and_atens_norm(case: str, dtype: torch.dtype
 
 @needs_cpp
 def test_rows_per_pass_and_kernel_set_each_timed_on_its_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "CASES", {"tiny": TINY["spatial"][:4]})
+    monkeypatch.setattr(bench, "CASES", {"tiny": TINY["spatial"]})
     seen: list[tuple[str, str | None]] = []  # (pass, the kernels it ran on)
-    real_fwd, real_bwd = cpu_kernels.forward, cpu_kernels.backward
-    monkeypatch.setattr(cpu_kernels, "forward", lambda *a: seen.append(("fwd", cpu_kernels.loaded_kernels())) or real_fwd(*a))
-    monkeypatch.setattr(cpu_kernels, "backward", lambda *a: seen.append(("bwd", cpu_kernels.loaded_kernels())) or real_bwd(*a))
+    real_fwd, real_bwd = library.FWD, library.BWD
+    monkeypatch.setattr(library, "FWD", lambda *a: seen.append(("fwd", cpu_kernels.loaded_kernels())) or real_fwd(*a))
+    monkeypatch.setattr(library, "BWD", lambda *a: seen.append(("bwd", cpu_kernels.loaded_kernels())) or real_bwd(*a))
     rows = bench.run_case("tiny", torch.float32, repeats=2, inner=1, kernel_sets=("generic",))
     by = {(r["impl"], r["pass"]): r for r in rows}
     impls = ["MRSNorm cpp", "aten group_norm", "MRSNorm cpp [generic]"]

@@ -16,19 +16,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_norm  # noqa: E402 - the benchmark under test
 
 from lightning_mrs import MRSNorm  # noqa: E402
-from lightning_mrs.ops import cpu_kernels  # noqa: E402
+from lightning_mrs.ops import cpu_kernels, library  # noqa: E402
 
 
 @needs_cpp
 def test_each_kernel_set_row_runs_on_its_set(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []  # the kernels each forward of the default module ran on
-    real = cpu_kernels.rows_forward
+    real = library.FWD  # the forward operator (its C++ kernels) that the autograd Function calls
 
     def spy(*args, **kwargs):
         seen.append(cpu_kernels.loaded_kernels())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "rows_forward", spy)
+    monkeypatch.setattr(library, "FWD", spy)
     entered: list[str] = []
     real_using = cpu_kernels.using
 

@@ -1,4 +1,4 @@
-"""The op under ``torch.compile`` (``lightning_mrs.ops.library``): one op node per norm in the graphs,
+"""The op under ``torch.compile`` (``lightning_mrs.ops.library``): one operator node per norm in the graphs,
 no graph break, the compiled forward and backward equal to the eager op (and so to the float64
 reference), the fake kernels true to the real ones (``torch.library.opcheck``), dynamic shapes,
 and ``torch.export`` still recording the plain formula.
@@ -17,39 +17,59 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mrs import MRSNorm, MRSNorm2d, mrs_norm, swap_norms
-from lightning_mrs.ops import cpu_torch_ops
-from helpers.checks import LAYOUTS, TOLS, assert_matches_reference, grads, make_inputs, norm_model
+from lightning_mrs.ops.dispatch import route_for
+from helpers.checks import CPP_BUILT, LAYOUTS, TOLS, assert_matches_reference, grads, make_inputs, norm_model
 from helpers.compiled import aot_graphs
 
-OP = torch.ops.lightning_mrs.mrs_norm.default
+OPS = torch.ops.lightning_mrs
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-# (layout name of helpers.checks.LAYOUTS, backend): every plan kind the op can run
-OPCHECK_CASES = [("tokens", "auto"), ("tokens", "torch"), ("nchw_per_sample", "auto"),
-                 ("nhwc_per_position", "auto"), ("nchw_per_position", "auto"), ("middle_dim", "auto"),
-                 ("tokens", "eager")]
+# (layout name of helpers.checks.LAYOUTS, backend, the pair the router runs): every kind of call
+OPCHECK_CASES = [("tokens", "auto", "op"), ("nchw_per_sample", "auto", "op"), ("nhwc_per_position", "auto", "op"),
+                 ("nhwc_per_sample", "auto", "op"), ("tokens", "torch", "fallback"),
+                 ("nchw_per_position", "auto", "fallback"), ("middle_dim", "auto", "fallback"),
+                 ("tokens", "eager", "fallback")]
 
 
 def _sliced(x: Tensor) -> Tensor:
     """``x`` as a view with a gap (every other row of a twice as large tensor)."""
-    big = torch.zeros((2 * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+    big = torch.zeros((2 * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     big[::2] = x
     return big[::2]
 
 
-@pytest.mark.parametrize("layout,backend", OPCHECK_CASES, ids=[f"{l}-{b}" for l, b in OPCHECK_CASES])
+def _opcheck_pair(x: Tensor, w: Optional[Tensor], gy: Tensor, channel_dim: int, spatial: bool, backend: str,
+                  pair: str) -> None:
+    """``torch.library.opcheck`` (schema, fake kernel against the real one, AOTAutograd with dynamic
+    shapes) on the forward and backward operators the router runs for this call. Inputs do not
+    require grad: the operators have no autograd kernel of their own, the Function is their autograd."""
+    route = route_for(x, w, 1e-6, channel_dim, spatial, backend)
+    assert ("op" if route.fallback is None and route.kernel != "eager" else "fallback") == pair
+    fwd, bwd = (OPS.mrs_norm_fwd, OPS.mrs_norm_bwd) if pair == "op" else \
+        (OPS.mrs_norm_fwd_fallback, OPS.mrs_norm_bwd_fallback)
+    extra = () if pair == "op" else (backend,)
+    args = (x, w, 1e-6, channel_dim % x.ndim, spatial)
+    torch.library.opcheck(fwd, (*args, *extra))
+    _, r_sum = fwd(*args, *extra)
+    torch.library.opcheck(bwd, (gy, *args[:2], r_sum, *args[2:], w is not None, *extra))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout,backend,pair", OPCHECK_CASES, ids=[f"{l}-{b}" for l, b, _ in OPCHECK_CASES])
 @pytest.mark.parametrize("affine", [True, False])
-def test_opcheck_fake_kernels_and_autograd_registration(layout: str, backend: str, affine: bool) -> None:
+def test_opcheck_on_the_operators_the_graphs_run(layout: str, backend: str, pair: str, affine: bool,
+                                                 device: str) -> None:
     shape, channel_dim, spatial, memory_format = LAYOUTS[layout]
-    x, w, _ = make_inputs(shape, channel_dim, memory_format, torch.float32, affine)
-    x.requires_grad_()
-    if w is not None:
-        w.requires_grad_()
-    torch.library.opcheck(OP, (x, w, 1e-6, channel_dim % x.ndim, spatial, backend))
+    if device == "cuda":  # the Triton kernels run one S per position; the rest is the fallback pair's
+        pair = "op" if not spatial and backend == "auto" else "fallback"
+    x, w, gy = make_inputs(shape, channel_dim, memory_format, torch.float32, affine, device=device)
+    _opcheck_pair(x, w, gy, channel_dim % x.ndim, spatial, backend, pair)
 
 
-def test_opcheck_on_an_input_with_gaps() -> None:
-    x, w, _ = make_inputs((3, 7, 64), -1, None, torch.float32)
-    torch.library.opcheck(OP, (_sliced(x).requires_grad_(), w.requires_grad_(), 1e-6, 2, False, "auto"))
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_on_an_input_with_gaps(device: str) -> None:
+    x, w, gy = make_inputs((3, 7, 64), -1, None, torch.float32, device=device)
+    _opcheck_pair(_sliced(x), w, gy, 2, False, "auto", "fallback" if device == "cpu" else "op")
 
 
 def _captured(fn: Callable, *args: Tensor) -> list[torch.fx.GraphModule]:
@@ -69,12 +89,13 @@ def test_compiled_graphs_hold_one_op_node_per_norm_and_no_formula() -> None:
     model = norm_model()
     graphs = aot_graphs(model, torch.randn(2, 3, 6, 6, requires_grad=True))
     # the model's three MRSNorm layers: the forward op, and its backward op in the backward graph
-    # (the two NCHW norms the general ops, the token norm the C++ row operators where they build)
-    rows = 1 if cpu_torch_ops.load() else 0
-    assert sum("lightning_mrs.mrs_norm_forward" in t for t in graphs["fw"]) == 3 - rows
-    assert sum("lightning_mrs.mrs_norm_backward_kernels" in t for t in graphs["bw"]) == 3 - rows
-    assert sum("lightning_mrs.rows_forward" in t for t in graphs["fw"]) == rows
-    assert sum("lightning_mrs.rows_backward" in t for t in graphs["bw"]) == rows
+    # (the per-sample NCHW and the token norm the C++ operators where they build, the per-position
+    # NCHW norm the fallback pair)
+    cpp = 2 if CPP_BUILT else 0
+    assert graphs["fw"].count("lightning_mrs.mrs_norm_fwd.default") == cpp
+    assert graphs["bw"].count("lightning_mrs.mrs_norm_bwd.default") == cpp
+    assert graphs["fw"].count("lightning_mrs.mrs_norm_fwd_fallback.default") == 3 - cpp
+    assert graphs["bw"].count("lightning_mrs.mrs_norm_bwd_fallback.default") == 3 - cpp
     assert not any("sqrt" in t for t in graphs["fw"] + graphs["bw"])  # the formula is not traced
 
 

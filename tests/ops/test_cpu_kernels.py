@@ -152,11 +152,10 @@ KERNELS = {
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_results_do_not_depend_on_the_thread_count(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "MIN_NUMEL_PER_THREAD", 1)  # these small inputs on every thread
     shape, channel_dim, spatial = KERNELS[kernel]
     x, w, gy = make_inputs(shape, channel_dim, None, torch.float32)
     cpp = forced("cpp", channel_dim, spatial)
-    before = torch.get_num_threads()
+    before, per_thread = torch.get_num_threads(), cpu_kernels.min_numel_per_thread(1)  # small inputs on every thread
     try:
         torch.set_num_threads(1)
         one = grads(cpp, x, w, gy)
@@ -164,6 +163,7 @@ def test_results_do_not_depend_on_the_thread_count(kernel: str, monkeypatch: pyt
         many = grads(cpp, x, w, gy)
     finally:
         torch.set_num_threads(before)
+        cpu_kernels.min_numel_per_thread(per_thread)
     torch.testing.assert_close(one[0], many[0], atol=0, rtol=0)  # each group summed in one order
     torch.testing.assert_close(one[1], many[1], atol=0, rtol=0)
     torch.testing.assert_close(one[2], many[2], atol=1e-5, rtol=1e-5)  # dw: per-thread partial sums
@@ -265,8 +265,10 @@ def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_kernels._flag_sets() == [portable]
 
 
-@pytest.mark.parametrize("other", ["portable", "generic", pytest.param("avx2", marks=needs_avx2),
-                                   pytest.param("haswell", marks=needs_avx2)])
+# one build each (~13 s of CPU since the library holds the operators too): the default suite keeps the portable one
+@pytest.mark.parametrize("other", ["portable", pytest.param("generic", marks=pytest.mark.slow),
+                                   pytest.param("avx2", marks=(needs_avx2, pytest.mark.slow)),
+                                   pytest.param("haswell", marks=(needs_avx2, pytest.mark.slow))])
 def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the default build (-march=native, kernel set auto) against: the portable build (no -march: the generic loops on
     # the x86-64 baseline), an AVX2-only build (-march=haswell: what -march=native gives on an AVX2 CPU, cpu_avx2.h
@@ -305,7 +307,7 @@ def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, 
                 torch.testing.assert_close(a, b, rtol=0, atol=tol * b.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["generic", pytest.param("avx2", marks=needs_avx2)])
+@pytest.mark.parametrize("name", ["generic", pytest.param("avx2", marks=(needs_avx2, pytest.mark.slow))])
 def test_a_kernel_set_is_its_own_build_chosen_by_env_or_block(
     name: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

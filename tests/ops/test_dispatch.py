@@ -142,42 +142,43 @@ def test_eager_and_empty_inputs_run_the_reference_formula() -> None:
 
 def _count_cpp_checks(monkeypatch: pytest.MonkeyPatch) -> list[DispatchKey]:
     seen: list[DispatchKey] = []
-    real = cpu_kernels.unavailable
+    real = dispatch._cpp_unavailable
 
-    def counting(key: DispatchKey, explicit: bool) -> Optional[str]:
+    def counting(key: DispatchKey) -> Optional[str]:
         seen.append(key)
-        return real(key, explicit)
+        return real(key)
 
-    monkeypatch.setattr(cpu_kernels, "unavailable", counting)
+    monkeypatch.setattr(dispatch, "_cpp_unavailable", counting)
     return seen
 
 
-def test_the_plan_is_made_once_per_kind_of_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_route_is_made_once_per_kind_of_call(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _count_cpp_checks(monkeypatch)
     first = which_backend(torch.randn(6, 8))
-    assert which_backend(torch.randn(6, 8)) == first  # the same kind of call: its cached plan
-    mrs_norm(torch.randn(6, 8))  # the op's default arguments: the same plan again
+    assert which_backend(torch.randn(6, 8)) == first  # the same kind of call: its cached route
+    mrs_norm(torch.randn(6, 8))  # the op's default arguments: the same route again
     assert len(seen) == 1
-    which_backend(torch.randn(7, 8))  # another shape: a new plan (its own canonical view)
-    which_backend(torch.randn(6, 8, dtype=torch.bfloat16))  # another dtype: a new plan
+    which_backend(torch.randn(7, 8))  # another shape: a new route (its own canonical view)
+    which_backend(torch.randn(6, 8, dtype=torch.bfloat16))  # another dtype: a new route
     with contextlib.suppress(ValueError):  # refused where the C++ kernels cannot be built
-        which_backend(torch.randn(6, 8), backend="cpp")  # another request: a new plan
+        which_backend(torch.randn(6, 8), backend="cpp")  # another request: a new route
     assert len(seen) == 4
     dispatch.clear_cache()
     which_backend(torch.randn(6, 8))
     assert len(seen) == 5  # forgotten: asked again
 
 
-def test_one_cache_holds_every_plan() -> None:
-    # the fast path (the rows plan) and every other plan live in dispatch.PLANS, nowhere else
+def test_one_cache_holds_every_route() -> None:
+    # the operator pair's routes and every other live in dispatch.ROUTES, nowhere else
     x = torch.randn(4, 8)
-    plans = [dispatch.plan_for(x, None, 1e-6, -1, False, "auto"),
-             dispatch.plan_for(x, None, 1e-6, -1, False, "torch"),
-             dispatch.plan_for(x, None, 1e-6, -1, False, "eager")]
-    assert len(dispatch.PLANS) == 3 and all(any(p is q for q in dispatch.PLANS.values()) for p in plans)
-    assert [p.backend for p in plans] == [CPP or "torch", "torch", "eager"]
+    routes = [dispatch.route_for(x, None, 1e-6, -1, False, "auto"),
+              dispatch.route_for(x, None, 1e-6, -1, False, "torch"),
+              dispatch.route_for(x, None, 1e-6, -1, False, "eager")]
+    assert len(dispatch.ROUTES) == 3 and all(any(p is q for q in dispatch.ROUTES.values()) for p in routes)
+    assert [p.kernel for p in routes] == [CPP or "torch", "torch", "eager"]
+    assert [p.fallback for p in routes] == [None if CPP else "torch", "torch", None]
     dispatch.clear_cache()
-    assert not dispatch.PLANS
+    assert not dispatch.ROUTES
 
 
 @pytest.mark.skipif(CPP is None, reason="the C++ kernels could not be built")

@@ -1,7 +1,7 @@
-"""The op's fast path, the cheapest plan (``RowsPlan`` of ``lightning_mrs.ops.plan``): which
-inputs take it, that every other input takes another plan with every check, and that its
-results (output, both gradients, double backward) equal the float64 reference in every dtype
-it covers."""
+"""The op's fast path, the operator pair with its C++ CPU kernels (``lightning_mrs.ops.library``):
+which inputs take it (``auto`` and ``backend="cpp"`` alike), that every other input takes the
+fallback pair or the formula with every check, and that its results (output, both gradients,
+double backward) equal the float64 reference in every dtype it covers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ import torch
 from torch import Tensor
 
 from lightning_mrs import MRSNorm, mrs_norm
-from lightning_mrs.ops import dispatch, plan
+import importlib
+
+from lightning_mrs.ops import dispatch
+from lightning_mrs.ops.dispatch import route_for
+from lightning_mrs.ops.library import MRSNormFunction
 from helpers.checks import assert_matches_reference, grads, make_inputs, needs_cpp
 from helpers.reference import mrs_norm_ref
 
@@ -23,17 +27,23 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture
 def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """One entry per call that the fast path (the rows plan) answered: ``True`` when through the
-    autograd Function, ``False`` for the kernel alone."""
+    """One entry per call that the router sent to the operator pair: ``True`` when through the
+    autograd Function, ``False`` for the forward operator alone."""
     calls: list[bool] = []
-    real = plan.RowsPlan.__call__
+    router = importlib.import_module("lightning_mrs.ops.mrs_norm")  # the package's mrs_norm is the function
+    real_op, real_apply = router.FWD, MRSNormFunction.apply
 
-    def spy(self: plan.RowsPlan, x: Tensor, weight: Optional[Tensor], eps: float) -> Tensor:
-        y = real(self, x, weight, eps)
-        calls.append(type(y.grad_fn).__name__ == "MRSNormFunctionBackward")
-        return y
+    def op(*args: object) -> tuple[Tensor, Tensor]:
+        calls.append(False)
+        return real_op(*args)
 
-    monkeypatch.setattr(plan.RowsPlan, "__call__", spy)
+    def apply(*args: object) -> Tensor:
+        if args[5] is None:  # fallback=None: the operator pair
+            calls.append(True)
+        return real_apply(*args)
+
+    monkeypatch.setattr(router, "FWD", op)
+    monkeypatch.setattr(router.MRSNormFunction, "apply", apply)
     return calls
 
 
@@ -62,31 +72,39 @@ def test_module_decoding_step_takes_the_fast_path(fast_calls: list[bool]) -> Non
     assert fast_calls == [False]
 
 
-# (what, make (x, w, kwargs)) of inputs that must take the general path
+# (what, make (x, w, kwargs)) of inputs that take the operator pair too (the C++ kernel reads any
+# dense layout with the channels contiguous, or NCHW per sample, and converts any weight)
 def _tokens(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
     return torch.randn(*shape, dtype=dtype)
 
 
+ON_THE_OPERATOR: list[tuple[str, Callable[[], tuple[Tensor, Optional[Tensor], dict]]]] = [
+    ("transposed", lambda: (_tokens(5, 4, 8).transpose(0, 1), None, {})),
+    ("spatial", lambda: (_tokens(2, 3, 8), None, {"spatial": True})),
+    ("nchw per sample", lambda: (_tokens(2, 8, 3), None, {"channel_dim": 1, "spatial": True})),
+    ("explicit backend", lambda: (_tokens(4, 8), None, {"backend": "cpp"})),
+    ("float64 weight", lambda: (_tokens(4, 8), torch.rand(4, dtype=torch.float64) + 0.5, {})),
+    ("strided weight", lambda: (_tokens(4, 8), (torch.rand(8) + 0.5)[::2], {})),
+]
+# ... and those that must not
 GENERAL: list[tuple[str, Callable[[], tuple[Tensor, Optional[Tensor], dict]]]] = [
     ("float64", lambda: (_tokens(4, 8, dtype=torch.float64), None, {})),
     ("strided", lambda: (_tokens(4, 16)[:, ::2], None, {})),
-    ("transposed", lambda: (_tokens(5, 4, 8).transpose(0, 1), None, {})),
     ("one dim", lambda: (_tokens(8), None, {})),
-    ("spatial", lambda: (_tokens(2, 3, 8), None, {"spatial": True})),
     ("channels first", lambda: (_tokens(2, 8, 3), None, {"channel_dim": 1})),
-    ("explicit backend", lambda: (_tokens(4, 8), None, {"backend": "cpp"})),
+    ("torch backend", lambda: (_tokens(4, 8), None, {"backend": "torch"})),
     ("eager backend", lambda: (_tokens(4, 8), None, {"backend": "eager"})),
-    ("float64 weight", lambda: (_tokens(4, 8), torch.rand(4, dtype=torch.float64) + 0.5, {})),
-    ("strided weight", lambda: (_tokens(4, 8), (torch.rand(8) + 0.5)[::2], {})),
     ("empty", lambda: (_tokens(0, 8), None, {})),
 ]
 
 
-@pytest.mark.parametrize("what,make", GENERAL, ids=[c[0] for c in GENERAL])
-def test_other_inputs_take_the_general_path(what: str, make: Callable, fast_calls: list[bool]) -> None:
+@pytest.mark.parametrize("on_op,what,make", [(True, *c) for c in ON_THE_OPERATOR] + [(False, *c) for c in GENERAL],
+                         ids=[c[0] for c in ON_THE_OPERATOR + GENERAL])
+def test_other_inputs_take_the_operator_or_the_general_path(on_op: bool, what: str, make: Callable,
+                                                            fast_calls: list[bool]) -> None:
     x, w, kwargs = make()
     y = mrs_norm(x, w, **kwargs)
-    assert fast_calls == []
+    assert fast_calls == ([False] if on_op else [])
     ref = mrs_norm_ref(x.double(), None if w is None else w.double(), channel_dim=kwargs.get("channel_dim", -1),
                        spatial=kwargs.get("spatial", False))
     torch.testing.assert_close(y.double(), ref, atol=2e-5, rtol=2e-5)
@@ -149,7 +167,8 @@ def test_double_backward_equals_the_reference_formulas() -> None:
         dx, dw = torch.autograd.grad(norm(x, w), (x, w), gy, create_graph=True)
         return torch.autograd.grad((dx.square().sum() + dw.square().sum()), (x, w))
 
-    assert isinstance(dispatch.plan_for(x, w, 1e-6, -1, False, "auto"), plan.RowsPlan)
+    route = route_for(x, w, 1e-6, -1, False, "auto")
+    assert route.kernel == "cpp" and route.fallback is None
     got = second(lambda a, b: mrs_norm(a, b), x, w)
     ref = second(lambda a, b: mrs_norm_ref(a, b), x.double(), w.double())
     for g, r in zip(got, ref):

@@ -1,4 +1,4 @@
-"""The fused autograd Function (``lightning_mrs.ops.function``), whatever backend runs it: what
+"""The one autograd Function (``lightning_mrs.ops.library.MRSNormFunction``), whatever backend runs it: what
 it saves for the backward, its output as a plain tensor (in-place ops after it), its
 gradients (gradcheck, double backward, the closed form of docs/method.md) and ``torch.compile`` of a
 model around it. The backends' numbers against the reference are in ``test_backends.py``.

@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from lightning_mrs import MRSNorm, MRSNorm2d
 from lightning_mrs.ops import inductor_kernels
-from lightning_mrs.ops.dispatch import plan_for
+from lightning_mrs.ops.dispatch import route_for
 from lightning_mrs.ops.layout import Canonical
 from helpers.checks import CPP_BUILT, Grads, assert_matches_reference, forced, grads, is_dense
 
@@ -233,10 +233,10 @@ def test_dense_layouts_are_viewed_without_a_copy(entry: str, layout: str) -> Non
 
 
 def test_the_view_is_cached_per_shape_strides_and_mode() -> None:
-    # the canonical view is part of the call's plan, cached on what decides it
+    # the canonical view is part of the call's route, cached on what decides it
     x = torch.randn(2, 8, 3, 3)
-    first = plan_for(x, None, 1e-6, 1, True, "torch")
-    assert plan_for(torch.randn(2, 8, 3, 3), None, 1e-6, 1, True, "torch") is first  # same shape, strides, mode
-    other = plan_for(x.contiguous(memory_format=torch.channels_last), None, 1e-6, 1, True, "torch")
+    first = route_for(x, None, 1e-6, 1, True, "torch")
+    assert route_for(torch.randn(2, 8, 3, 3), None, 1e-6, 1, True, "torch") is first  # same shape, strides, mode
+    other = route_for(x.contiguous(memory_format=torch.channels_last), None, 1e-6, 1, True, "torch")
     assert other.canonical.layout.last and not first.canonical.layout.last  # the strides are part of the key
-    assert plan_for(x, None, 1e-6, 1, False, "torch").canonical != first.canonical  # so is the mode
+    assert route_for(x, None, 1e-6, 1, False, "torch").canonical != first.canonical  # so is the mode

@@ -30,6 +30,7 @@ from helpers import ROOT
 from helpers.checks import (
     assert_matches_reference, check_against_reference, check_half_gradient, forced, grads, make_inputs,
 )
+from helpers.hard_inputs import check_tight, near_eps, past_half_range
 
 pytest.importorskip("triton")
 
@@ -96,6 +97,20 @@ def test_triton_wide_rows_match_the_reference(layout: str) -> None:
     check_against_reference("triton", WIDE[layout], torch.float32, True, device=DEVICE)
     check_against_reference("triton", WIDE[layout], torch.bfloat16, False, device=DEVICE)
     check_half_gradient("triton", WIDE[layout], torch.float16, device=DEVICE)
+
+
+HARD = [(near_eps, torch.float32), (near_eps, torch.bfloat16), (past_half_range, torch.float16)]
+
+
+@pytest.mark.cuda
+@runs_triton
+@pytest.mark.parametrize("make,dtype", HARD, ids=[f"{m.__name__}-{d}" for m, d in HARD])
+@pytest.mark.parametrize("layout", ["tokens_odd_phasors", "nchw", "nhwc"])
+def test_triton_hard_inputs_match_the_reference_rounded_once(layout: str, make, dtype: torch.dtype) -> None:
+    # pairs near sqrt(eps) and zero pairs (a kernel dropping eps), pairs of 300s (float16 squares)
+    shape, channel_dim, spatial, fmt = LAYOUTS[layout]
+    x, w, g = (t.to(DEVICE) for t in make(shape, channel_dim, fmt, dtype))
+    check_tight(forced("triton", channel_dim, spatial), x, w, g, channel_dim, spatial)
 
 
 def _view_inputs(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -193,7 +208,7 @@ def _interpret(marker: str, timeout: float) -> str:
 @pytest.mark.skipif(INTERPRETED, reason="already under the interpreter")
 def test_triton_kernels_under_the_interpreter() -> None:
     summary = _interpret("not slow", timeout=600)
-    expected = len(LAYOUTS) * (len(DTYPES) + len(HALF_DTYPES)) + 2 * len(VIEWS) + 4 + 2 + 1
+    expected = len(LAYOUTS) * (len(DTYPES) + len(HALF_DTYPES)) + 2 * len(VIEWS) + 4 + 2 + 1 + 3 * len(HARD)
     assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary
 
 

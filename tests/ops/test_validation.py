@@ -6,6 +6,7 @@ dtypes, as under autocast, are not bad calls.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -13,9 +14,11 @@ import torch
 from torch import nn
 
 from lightning_mrs import MRSNorm, mrs_norm
-from lightning_mrs.ops import cpu_kernels, dispatch
+from lightning_mrs.ops import dispatch
 from helpers.checks import CPP_BUILT, assert_matches_reference, forced, grads, make_inputs
 from helpers.reference import mrs_norm_ref
+
+router = importlib.import_module("lightning_mrs.ops.mrs_norm")  # the package's mrs_norm is the function
 
 BACKENDS = ("auto", "eager", "torch", "inductor", "cpp")
 
@@ -76,8 +79,9 @@ def test_weights_are_checked_before_any_kernel(weight: str, backend: str, monkey
     def no_kernel(*args: Any) -> None:
         raise AssertionError("a kernel was reached with a bad weight")
 
-    monkeypatch.setattr(dispatch, "get_backend", no_kernel)  # every plan's backend comes through here
-    monkeypatch.setattr(cpu_kernels, "rows_forward", no_kernel)  # the rows plan calls the C++ kernels directly
+    monkeypatch.setattr(dispatch, "get_backend", no_kernel)  # every Python backend comes through here
+    for name in ("FWD", "fallback_fwd", "MRSNormFunction"):  # the router calls the operators directly
+        monkeypatch.setattr(router, name, no_kernel)
     bad = {"meta": torch.ones(4, device="meta"), "int64": torch.ones(4, dtype=torch.int64),
            "wrong_shape": torch.ones(3)}[weight]
     with pytest.raises((ValueError, RuntimeError), match="mrs_norm: "):
