@@ -132,8 +132,8 @@ def test_help_says_quick_is_inconclusive_and_how_the_lock_works() -> None:
     text = " ".join(proc.stdout.split())
     assert "--quick runs one seed per cell, so every claim of its report is inconclusive by construction" in text
     assert "rerun without --quick for verdicts" in text
-    assert "a second sweep into the same --out refuses to start and names the other process" in text
-    assert "the lock of a process that died is free again" in text
+    assert "A second sweep into a running sweep's --out refuses to start and names it" in text
+    assert "a dead sweep's lock is free" in text
 
 
 @pytest.mark.slow  # idle 2 cores: 10-45 s; the default suite keeps a faster sibling
