@@ -115,3 +115,8 @@ if __name__ == "__main__":
     kind, at = fault.split("@") if fault else (None, "0")
     inject(module, ValidateAtEnd, kind, int(at), os.environ["RECORD"])
     sys.exit(run(args))  # sys.argv stays this script's: Lightning's launcher re-runs it for the other ranks
+
+
+def last_checkpoint(root: Path, version: int) -> Path:
+    """The ``last.ckpt`` of run ``version`` under a recipe's ``--trainer.default_root_dir`` ``root``."""
+    return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -75,3 +76,11 @@ def lm(capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, monkeypat
 
     monkeypatch.setattr(sys, "argv", ["lm.py"])
     return LMRun(capfd, caplog)
+
+
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, also under a background pytest (which starts with SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

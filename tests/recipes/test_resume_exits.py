@@ -16,15 +16,14 @@ test also keeps each image's digest, in the order trained.
 from __future__ import annotations
 
 import hashlib
-import signal
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 import torch
 
-from helpers.faults import inject, read_record, recipe
+from helpers.faults import inject, last_checkpoint, read_record, recipe
 from helpers.lm import TINY, final_weights
 
 VISION = ["--trainer.accelerator", "cpu", "--model.arch", "timm:test_resnet", "--data.dataset", "digits",
@@ -36,16 +35,7 @@ ARGS = {"cifar100": VISION, "lm": LM}
 AT = 3  # Ctrl-C comes inside optimizer step 3 (0-based): the step ends, last.ckpt holds step 4
 
 
-def _last(root: Path, version: int) -> Path:
-    return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(autouse=True)
-def _signals() -> Iterator[None]:
-    """Python's own SIGINT handler, also under a background pytest (which starts with SIGINT ignored)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+pytestmark = pytest.mark.usefixtures("python_sigint")
 
 
 def _digests(images: torch.Tensor) -> list[str]:
@@ -93,7 +83,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             args = [*ARGS[name], "--data.num_workers", "0", "--trainer.default_root_dir", str(root)]
             assert _fit(name, args, root / "record.txt") == 0
-            _REFERENCES[name] = (_last(root, 0), read_record(root / "record.txt"))
+            _REFERENCES[name] = (last_checkpoint(root, 0), read_record(root / "record.txt"))
         return _REFERENCES[name]
 
     yield get
@@ -112,14 +102,14 @@ def test_a_resume_with_another_worker_count_trains_what_the_uninterrupted_run_tr
     root, record = tmp_path / "stopped", tmp_path / "record.txt"
     args = [*ARGS[name], "--trainer.default_root_dir", str(root)]
     assert _fit(name, [*args, "--data.num_workers", str(before)], record, "sigint") == 130
-    saved = _last(root, 0)
+    saved = last_checkpoint(root, 0)
     assert f"interrupted after step {AT + 1}: saved {saved}" in capfd.readouterr().err
     first = [line for line in read_record(record) if int(line.split()[1]) <= AT]
     record.unlink()
     status = _fit(name, [*args, "--data.num_workers", str(after), "--ckpt_path", str(saved)], record)
     assert status == 0, capfd.readouterr().err[-3000:]
     assert first + read_record(record) == ref_record  # the same batches (data and seeds) at the same steps
-    _assert_same_weights(ref_checkpoint, _last(root, 1))
+    _assert_same_weights(ref_checkpoint, last_checkpoint(root, 1))
 
 
 # ------------------------------------------------------------------ another batch size, image recipe
@@ -146,7 +136,7 @@ def test_a_resume_with_another_batch_size_says_so_and_trains_every_image_the_epo
     args = [*EPOCH, "--trainer.default_root_dir", str(root)]
     status = _fit("cifar100", [*args, "--data.batch_size", "8"], tmp_path / "a.txt", "sigint", at=4, images=stopped)
     assert status == 130
-    saved = _last(root, 0)
+    saved = last_checkpoint(root, 0)
     assert final_weights(saved)["step"] == 5 and len(stopped) == 40
     capfd.readouterr()
     caplog.clear()
@@ -162,4 +152,4 @@ def test_a_resume_with_another_batch_size_says_so_and_trains_every_image_the_epo
     left = (n - 40) // 16 * 16  # the images the epoch had left, less the last partial batch (drop_last, as always)
     assert len(resumed) == left  # without EpochPosition: 16 (Lightning counted 5 of the 5 batches of 16 done)
     assert stopped + resumed == reference[:40 + left]  # each once, in the epoch's order and augmentation
-    assert final_weights(_last(root, 1))["step"] == 5 + left // 16
+    assert final_weights(last_checkpoint(root, 1))["step"] == 5 + left // 16

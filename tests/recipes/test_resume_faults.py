@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 import torch
 
 from helpers import ROOT
-from helpers.faults import KINDS, inject, read_record, recipe
+from helpers.faults import KINDS, inject, last_checkpoint, read_record, recipe
 from helpers.lm import TINY
 
 # digits: 179 batches of 8 an epoch, so every fault comes in the middle of the first epoch; validation every 2 steps
@@ -43,16 +42,7 @@ NO_SAVE = re.compile(r"stopped at step \d+ without a checkpoint \((.+)\); the la
                      r"  (.+)")
 
 
-def _last(root: Path, version: int) -> Path:
-    return root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(autouse=True)
-def _signals() -> Iterator[None]:
-    """Python's own SIGINT handler, also under a background pytest (which starts with SIGINT ignored)."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, before)
+pytestmark = pytest.mark.usefixtures("python_sigint")
 
 
 def _fit(name: str, args: list[str], record: Path, fault: Optional[str] = None) -> int:
@@ -78,7 +68,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(f"uninterrupted-{name}")
             record = root / "record.txt"
             assert _fit(name, [*ARGS[name], "--trainer.default_root_dir", str(root)], record) == 0
-            _REFERENCES[name] = (_last(root, 0), read_record(record))
+            _REFERENCES[name] = (last_checkpoint(root, 0), read_record(record))
         return _REFERENCES[name]
 
     yield get
@@ -135,7 +125,7 @@ def test_a_fault_then_the_resume_trains_what_the_uninterrupted_run_trained(
     before = read_record(record)
     record.unlink()
     assert _fit(name, [*args, "--ckpt_path", str(saved)], record) == 0
-    _assert_same_run(ref, before, saved, record, _last(root, 1))
+    _assert_same_run(ref, before, saved, record, last_checkpoint(root, 1))
 
 
 # ------------------------------------------------------------------ two DDP processes, through the scripts
@@ -161,7 +151,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(f"ddp-uninterrupted-{name}")
             proc = _script(name, [*ARGS[name], *DDP, "--trainer.default_root_dir", str(root)], root / "record.txt")
             assert proc.returncode == 0, proc.stderr[-3000:]
-            cache[name] = (_last(root, 0), read_record(root / "record.txt"))
+            cache[name] = (last_checkpoint(root, 0), read_record(root / "record.txt"))
         return cache[name]
 
     return get
@@ -183,9 +173,9 @@ def test_ddp_a_fault_then_the_resume_trains_what_the_uninterrupted_run_trained(
     saved, _ = _saved_and_command(proc.stderr)
     if kind == "train_step_raises":
         assert "a multi-process run cannot save once one process has failed" in proc.stderr
-        assert saved == _last(root, 0) and not saved.with_name("crash.ckpt").exists()
+        assert saved == last_checkpoint(root, 0) and not saved.with_name("crash.ckpt").exists()
     before = read_record(record)
     record.unlink()
     proc = _script(name, [*args, "--ckpt_path", str(saved)], record)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_same_run(ref, before, saved, record, _last(root, 1))
+    _assert_same_run(ref, before, saved, record, last_checkpoint(root, 1))

@@ -278,23 +278,3 @@ def test_a_derf_model_saves_and_loads_with_its_scalars(tmp_path, family: str) ->
     assert len(layers) == {"gpt2": 5, "qwen3": 9}[family]
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, expected)
-
-
-def test_normswap_derf_records_resumes_and_restores(tmp_path) -> None:
-    """The callback with target 'derf': the checkpoint records the Derf layers, a resume trains on, and
-    NormSwap.restore gives the trained weights (alpha and shift included) and outputs to the bit."""
-    pytest.importorskip("lightning")
-    from helpers.lightning import TinyModule, assert_same_model, fit, image_data, normswap_record
-    from lightning_mrs.callbacks import NormSwap
-
-    trainer, trained = fit(TinyModule(), callbacks=[NormSwap("derf", shift0=0.1)])
-    path = tmp_path / "last.ckpt"
-    trainer.save_checkpoint(path)
-    state = normswap_record(path)
-    assert state["target"] == "derf"
-    assert state["layers"] == {"net.1": {"kind": "derf", "channel_dim": 1, "spatial": None, "eps": None},
-                               "net.5": {"kind": "derf", "channel_dim": -1, "spatial": None, "eps": None}}
-    assert trained.net[1].shift.item() != pytest.approx(0.1)  # shift trained
-    resumed, model = fit(TinyModule(), steps=4, callbacks=[NormSwap("derf", shift0=0.1)], ckpt_path=str(path))
-    assert resumed.global_step == 4 and isinstance(model.net[1], Derf2d)
-    assert_same_model(NormSwap.restore(TinyModule(), path), path, trained, image_data(4, seed=7).tensors[0])

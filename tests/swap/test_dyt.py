@@ -316,21 +316,23 @@ def test_calibrate_fits_dyt_weights_to_the_old_norms() -> None:
     assert all(fitted < inherited for inherited, fitted in report.calibration.values()), report.calibration
 
 
-def test_normswap_dyt_records_resumes_and_restores(tmp_path) -> None:
-    """The callback with target 'dyt': the checkpoint records the DyT layers, a resume trains on, and
-    NormSwap.restore gives the trained weights (alpha included) and outputs to the bit."""
+@pytest.mark.parametrize("target,option,value,scalar", [("dyt", "alpha0", 0.3, "alpha"), ("derf", "shift0", 0.1, "shift")])
+def test_normswap_records_resumes_and_restores(tmp_path, target: str, option: str, value: float, scalar: str) -> None:
+    """The callback with target 'dyt' or 'derf': the checkpoint records the layers, a resume trains on, and
+    NormSwap.restore gives the trained weights (the learnable scalars included) and outputs to the bit."""
     pytest.importorskip("lightning")
     from helpers.lightning import TinyModule, assert_same_model, fit, image_data, normswap_record
+    from lightning_mrs import Derf2d
     from lightning_mrs.callbacks import NormSwap
 
-    trainer, trained = fit(TinyModule(), callbacks=[NormSwap("dyt", alpha0=0.3)])
+    trainer, trained = fit(TinyModule(), callbacks=[NormSwap(target, **{option: value})])
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     state = normswap_record(path)
-    assert state["target"] == "dyt"
-    assert state["layers"] == {"net.1": {"kind": "dyt", "channel_dim": 1, "spatial": None, "eps": None},
-                               "net.5": {"kind": "dyt", "channel_dim": -1, "spatial": None, "eps": None}}
-    assert trained.net[1].alpha.item() != pytest.approx(0.3)  # alpha trained
-    resumed, model = fit(TinyModule(), steps=4, callbacks=[NormSwap("dyt", alpha0=0.3)], ckpt_path=str(path))
-    assert resumed.global_step == 4 and isinstance(model.net[1], DyT2d)
+    assert state["target"] == target
+    assert state["layers"] == {"net.1": {"kind": target, "channel_dim": 1, "spatial": None, "eps": None},
+                               "net.5": {"kind": target, "channel_dim": -1, "spatial": None, "eps": None}}
+    assert getattr(trained.net[1], scalar).item() != pytest.approx(value)  # the scalar trained
+    resumed, model = fit(TinyModule(), steps=4, callbacks=[NormSwap(target, **{option: value})], ckpt_path=str(path))
+    assert resumed.global_step == 4 and isinstance(model.net[1], {"dyt": DyT2d, "derf": Derf2d}[target])
     assert_same_model(NormSwap.restore(TinyModule(), path), path, trained, image_data(4, seed=7).tensors[0])
