@@ -113,17 +113,6 @@ struct V8 {
   }
 };
 
-template <typename T, bool kAffine>
-void fwd_rows(const T* x, const float* w, T* y, float* rsum, int64_t G, int64_t L, int64_t C,
-              float eps, int nt) {
-  simd::fwd_rows<V8, T, kAffine>(x, w, y, rsum, G, L, C, eps, nt);
-}
-template <typename T, bool kAffine, bool kDw>
-void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, float* dw,
-              int64_t G, int64_t L, int64_t C, float eps, int nt) {
-  simd::bwd_rows<V8, T, kAffine, kDw>(x, g, w, rsum, dx, dw, G, L, C, eps, nt);
-}
-
 // ---- positions contiguous, one S per sample: (A, C, L) ---------------------------------
 // The generic loops convert bfloat16 in the loop (the compiler's shifts and packs) and float16
 // through buffers; here both convert in registers, 8 positions at a time.
@@ -141,17 +130,17 @@ void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_
     for (int64_t p = 0; p < P; ++p) {
       const T* u = xa + 2 * p * L;
       const T* v = u + L;
+      auto magnitudes = [&](int64_t i) {  // r of the pair at positions i .. i + 8
+        const __m256 ui = load8(u + i), vi = load8(v + i);
+        return _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(ui, ui, _mm256_mul_ps(vi, vi)), ve));
+      };
       __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
       int64_t l = 0;
-      for (; l + 16 <= L; l += 16) {
-        const __m256 u0 = load8(u + l), v0 = load8(v + l), u1 = load8(u + l + 8), v1 = load8(v + l + 8);
-        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
-        acc1 = _mm256_add_ps(acc1, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u1, u1, _mm256_mul_ps(v1, v1)), ve)));
+      for (; l + 16 <= L; l += 16) {  // two chains: the adds' latency stays hidden
+        acc0 = _mm256_add_ps(acc0, magnitudes(l));
+        acc1 = _mm256_add_ps(acc1, magnitudes(l + 8));
       }
-      for (; l + 8 <= L; l += 8) {
-        const __m256 u0 = load8(u + l), v0 = load8(v + l);
-        acc0 = _mm256_add_ps(acc0, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
-      }
+      for (; l + 8 <= L; l += 8) acc0 = _mm256_add_ps(acc0, magnitudes(l));
       float sp = hsum(_mm256_add_ps(acc0, acc1));
       for (; l < L; ++l) {
         const float ul = ld(u[l]), vl = ld(v[l]);
@@ -216,11 +205,13 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
         const int64_t o0 = 2 * p * L, o1 = o0 + L;  // the pair's two channels
         const T *u = xa + o0, *v = xa + o1, *gu = ga + o0, *gv = ga + o1;
         T *du = da + o0, *dv = da + o1;
+        auto k_over_r = [&](__m256 ul, __m256 vl) {
+          return _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(ul, ul, _mm256_mul_ps(vl, vl)), ve)));
+        };
         int64_t l = 0;
         for (; l + 16 <= L; l += 16) {
           const __m256 u0 = load8(u + l), v0 = load8(v + l), u1 = load8(u + l + 8), v1 = load8(v + l + 8);
-          const __m256 kr0 = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u0, u0, _mm256_mul_ps(v0, v0)), ve)));
-          const __m256 kr1 = _mm256_div_ps(vk, _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(u1, u1, _mm256_mul_ps(v1, v1)), ve)));
+          const __m256 kr0 = k_over_r(u0, v0), kr1 = k_over_r(u1, v1);
           store16(du + l, _mm256_fmsub_ps(load8(gu + l), vm, _mm256_mul_ps(kr0, u0)),
                   _mm256_fmsub_ps(load8(gu + l + 8), vm, _mm256_mul_ps(kr1, u1)));
           store16(dv + l, _mm256_fmsub_ps(load8(gv + l), vm, _mm256_mul_ps(kr0, v0)),
@@ -228,8 +219,7 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
         }
         for (; l + 8 <= L; l += 8) {
           const __m256 ul = load8(u + l), vl = load8(v + l);
-          const __m256 r = _mm256_sqrt_ps(_mm256_add_ps(_mm256_fmadd_ps(ul, ul, _mm256_mul_ps(vl, vl)), ve));
-          const __m256 kr = _mm256_div_ps(vk, r);
+          const __m256 kr = k_over_r(ul, vl);
           store8(du + l, _mm256_fmsub_ps(load8(gu + l), vm, _mm256_mul_ps(kr, ul)));
           store8(dv + l, _mm256_fmsub_ps(load8(gv + l), vm, _mm256_mul_ps(kr, vl)));
         }

@@ -1,12 +1,9 @@
 // The CPU kernels of the operators lightning_mrs::mrs_norm_fwd and mrs_norm_bwd (defined in
 // library.py): one-pass kernels of the fused MRSNorm (docs/method.md#the-fused-forward-and-backward).
 //
-// Built on first use by cpu_kernels.py (-O3 -march=native, OpenMP, torch's headers) into one
-// library, imported as the Python module `lightning_mrs_cpu`: activate() registers this build's
-// kernels for the CPU dispatch key, deactivate() takes them back (cpu_kernels.using() swaps kernel
-// sets). Conversions and buffers: cpu_half.h; per-sample loops: cpu_sample.h; row kernels of AVX2
-// / AVX512_BF16 builds: cpu_avx2.h / cpu_avx512.h. Here: the generic row loops, which kernels each
-// dtype runs, and the operators.
+// Built and imported as `lightning_mrs_cpu` by cpu_kernels.py (see its docstring). Conversions and
+// buffers: cpu_half.h; per-sample loops: cpu_sample.h; row kernels of AVX2 / AVX512_BF16 builds:
+// cpu_avx2.h / cpu_avx512.h. Here: the generic row loops, which kernels each dtype runs, and the operators.
 //
 // Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
 // reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
@@ -40,7 +37,6 @@
 #include <memory>
 #include <optional>
 #include <tuple>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -177,8 +173,6 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
   dwb.reduce(dw);
 }
 
-
-
 // Which kernels a dtype runs: cpu_avx2.h's for every dtype without AVX-512 (or with the "avx2"
 // set); on AVX-512 for float16 only, where the loops above lose to F16C in registers while their
 // float32 and bfloat16 code beats 8 lanes (docs/performance-lm.md#parity-on-an-avx-512-cpu).
@@ -191,10 +185,12 @@ template <typename T>
 constexpr bool kAvx2 = std::is_same_v<T, f16>;
 #endif
 #define MRS_KERNEL(T, fn, ...) (kAvx2<T> ? &mrs::avx2::fn<__VA_ARGS__> : &fn<__VA_ARGS__>)
+#define MRS_AVX2_ROWS(T, fn, ...) (kAvx2<T> ? &mrs::simd::fn<mrs::avx2::V8, __VA_ARGS__> : &fn<__VA_ARGS__>)
 #else
 template <typename T>
 constexpr bool kAvx2 = false;
 #define MRS_KERNEL(T, fn, ...) (&fn<__VA_ARGS__>)
+#define MRS_AVX2_ROWS MRS_KERNEL
 #endif
 // The row kernels of cpu_avx512.h on an AVX512_BF16 build under "auto", for every dtype: faster
 // than both others on an AVX-512 Xeon (docs/performance-lm.md#avx-512-row-kernels). The
@@ -204,9 +200,8 @@ constexpr bool kAvx512Rows = true;
 #define MRS_ROWS(T, fn, ...) (&mrs::simd::fn<mrs::avx512::V16, __VA_ARGS__>)
 #else
 constexpr bool kAvx512Rows = false;
-#define MRS_ROWS(T, fn, ...) MRS_KERNEL(T, fn, __VA_ARGS__)
+#define MRS_ROWS(T, fn, ...) MRS_AVX2_ROWS(T, fn, __VA_ARGS__)
 #endif
-
 
 // Which kernels this build runs (cpu_kernels.py: loaded_kernels): 1 = the generic loops, 2 =
 // cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = the row
@@ -265,8 +260,6 @@ void backward_kernel(bool rows, const void* x, const void* g, const void* w, at:
             : dw ? MRS_ROWS(T, bwd_rows, T, true, true) : MRS_ROWS(T, bwd_rows, T, true, false);
   fn(xp, gp, wf, rs, dp, dw, a, b, c, eps, nt);
 }
-
-
 
 // x's memory as the kernels read it: rows (G, L, C) or per sample (A, C, L).
 struct View {

@@ -1,10 +1,8 @@
 """The ``cpp`` backend: the CPU kernels of the operators ``mrs_norm_fwd``/``mrs_norm_bwd``
 (``cpu_kernels.cpp``), built on first use.
 
-Two layouts have a kernel, where Inductor's code falls short of torch's native norms: ``rows``,
-``(G, L, C)`` with the channels contiguous and one ``S`` per group of ``L`` rows (tokens, NHWC;
-the peer of ``nn.LayerNorm``), and ``sample``, ``(A, C, L)`` with the positions contiguous and one
-``S`` per sample (NCHW; the peer of ``nn.GroupNorm(1, C)``).
+Two layouts have a kernel, where Inductor's code falls short of torch's native norms (the peers of
+``nn.LayerNorm`` and ``nn.GroupNorm(1, C)``; ``cpu_kernels.cpp``'s header says which views).
 
 The library is compiled once per machine with the system C++ compiler (``$CXX``, else
 ``c++``/``g++``/``clang++``; OpenMP, ``-O3 -march=native``, torch's headers) into a cache folder

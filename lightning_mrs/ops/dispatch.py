@@ -1,25 +1,11 @@
 """Which kernel runs a kind of call: the backend table, consulted once per kind of call.
 
-:data:`KERNELS` lists the backends in the order ``backend="auto"`` tries them; :data:`BACKENDS` is
-every value of ``backend=`` (also ``auto`` and ``eager``, the reference formula):
-
-========== ====================================================== ===============================
-name       what                                                   ``auto`` picks it for
-========== ====================================================== ===============================
-triton     hand-written Triton kernels (:mod:`.triton_kernels`)    CUDA, one ``S`` per position
-cpp        hand-written one-pass C++/OpenMP (:mod:`.cpu_kernels`)  CPU float32/bf16/fp16, channels
-                                                                  contiguous, or NCHW per sample
-inductor   the torch bodies compiled (:mod:`.inductor_kernels`)   the rest, >= 2^18 elements
-torch      the torch bodies run eagerly (:mod:`.torch_kernels`)   the rest (float64, small, meta)
-========== ====================================================== ===============================
-
-``cpp`` on the CPU and ``triton`` on CUDA are the kernels of the operator pair ``mrs_norm_fwd``/
-``mrs_norm_bwd`` (:mod:`.library`); every other choice runs the fallback pair, whose body calls
-that backend on the canonical view of :mod:`.layout`. A :class:`Route` depends only on the key
-of :func:`key_of`; :func:`route_for` looks it up in :data:`ROUTES` and only on a miss checks the
-arguments (:mod:`.validation`: a bad call raises every time, never cached), maps the layout and
-chooses. Environment variables (``LIGHTNING_MRS_CPU_KERNELS``, ``LIGHTNING_MRS_COMPILE_MIN_NUMEL``,
-``TRITON_INTERPRET``) are read on a miss; :func:`clear_cache` forgets every route.
+:data:`KERNELS` lists the backends in the order ``backend="auto"`` tries them (what each covers:
+``docs/performance.md#backends``); :data:`BACKENDS` is every value of ``backend=``. ``cpp`` on the
+CPU and ``triton`` on CUDA are the kernels of the operator pair (:mod:`.library`); every other
+choice runs the fallback pair. A :class:`Route` depends only on the key of :func:`key_of`, is built
+on a miss of :data:`ROUTES` (``docs/development.md#life-of-a-call``; a bad call raises every time,
+never cached), with the environment variables read then; :func:`clear_cache` forgets every route.
 """
 
 from __future__ import annotations

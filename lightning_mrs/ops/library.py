@@ -1,25 +1,20 @@
-"""The op as torch operators, and the one autograd Function over them.
+"""The op as torch operators, and the one autograd Function over them
+(``docs/development.md#life-of-a-call``).
 
-* ``mrs_norm_fwd(x, weight, eps, channel_dim, spatial) -> (y, r_sum)`` and
-  ``mrs_norm_bwd(grad, x, weight, r_sum, eps, channel_dim, spatial, need_weight_grad) -> (dx, dw)``:
-  the C++ kernels on the CPU (``cpu_kernels.cpp``, registered when :mod:`.cpu_kernels` builds
-  them), the Triton kernels on CUDA (registered below);
+* ``mrs_norm_fwd``/``mrs_norm_bwd``: the C++ kernels on the CPU (``cpu_kernels.cpp``, registered
+  when :mod:`.cpu_kernels` builds them), the Triton kernels on CUDA (registered below);
 * ``mrs_norm_fwd_fallback``/``mrs_norm_bwd_fallback``, the same with a ``backend`` last, for what
-  those kernels do not cover (float64, NCHW per position, inputs with gaps, spatial on CUDA,
-  other devices, ``backend="torch"``/``"inductor"``): their body runs that backend on the
-  canonical view of :mod:`.layout`. The pair is chosen before dispatch (:mod:`.dispatch`, once per
-  kind of call), so the C++ kernel stays the dispatcher's own, with no Python below a call.
+  those kernels do not cover: their body runs that backend on the canonical view of :mod:`.layout`.
+  The pair is chosen before dispatch (:mod:`.dispatch`), so the C++ kernel stays the dispatcher's own.
 
-One fake kernel per direction serves all four (meta tensors, compile, export): ``y`` and ``dx``
-with the strides of ``torch.empty_like(x)``, ``r_sum = P * S`` per group as ``(groups,)`` in the
-compute dtype, ``dw`` like the weight (empty when not asked for: an operator cannot return None).
+One fake kernel per direction serves all four: ``y`` and ``dx`` with the strides of
+``torch.empty_like(x)``, ``r_sum = P * S`` per group as ``(groups,)`` in the compute dtype, ``dw``
+like the weight (empty when not asked for: an operator cannot return None).
 
-:class:`MRSNormFunction` is what eager training runs and Dynamo traces (no graph break), saving
-only ``x``, the weight and ``r_sum``. No ``register_autograd``: a ``custom_op`` with its autograd
-in Python runs its wrappers on every call of a compiled graph (83-106 us a call in a compiled
-Llama step, ``docs/performance-lm.md#the-compiled-llama-step``). Nor does Inductor get the
-formula: the phasor pairs are stride-2 loads and the weight an index ``c // 2``, scalar loops
-(x1.07-1.13 of ``LlamaRMSNorm`` on that step, ``docs/performance-lm.md#torchcompile``).
+No ``register_autograd``: a ``custom_op`` with its autograd in Python runs its wrappers on every
+call of a compiled graph (83-106 us a call, ``docs/performance-lm.md#the-compiled-llama-step``).
+Nor does Inductor get the formula: the phasor pairs are stride-2 loads and the weight an index
+``c // 2``, scalar loops (x1.07-1.13 of ``LlamaRMSNorm``, ``docs/performance-lm.md#torchcompile``).
 """
 
 from __future__ import annotations

@@ -8,12 +8,7 @@ Where the mean is taken (``docs/method.md#where-the-mean-is-taken``):
   per (sample, position), ``spatial=True`` one ``S`` per sample, shared over all phasors at
   all positions (like ``GroupNorm(1, C)``).
 
-How a call runs (:func:`normalize`, the router; ``docs/development.md#life-of-a-call``): the
-reference formula where portability needs it (``torch.func`` transforms, forward-mode AD,
-``torch.jit.trace``, ``torch.export``, empty inputs, tensor subclasses, ``backend="eager"``),
-otherwise the operator (:mod:`.library`), its kernel chosen once per kind of call
-(:mod:`.dispatch`), called alone when autograd does not record the call, else through the one
-autograd Function, which ``torch.compile`` traces too.
+How a call runs (:func:`normalize`, the router): ``docs/development.md#life-of-a-call``.
 """
 
 from __future__ import annotations

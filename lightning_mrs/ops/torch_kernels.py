@@ -82,8 +82,6 @@ def _sample_sums(gf: Tensor, xf: Tensor, w2: Optional[Tensor], inv_s: Tensor,
 
 
 # --- channels innermost: x3 is (A, L, C) with stride 1 along C (tokens, NHWC) -------------
-# The partner of channel c is x[c+1] (even c) or x[c-1] (odd c): two contiguous shifted
-# loads, where the strided even/odd views would make Inductor emit scalar code.
 def _fwd_last(x3: Tensor, w2: Optional[Tensor], even_mask: Tensor, eps: float,
               spatial: bool) -> tuple[Tensor, Tensor]:
     xf = x3.to(compute_dtype(x3.dtype))  # (A, L, C)

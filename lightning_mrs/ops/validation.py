@@ -13,9 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_DTYPES", "check_inputs", "compute_dtype", "phasor_channel_dim", "positive_number"]
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+__all__ = ["check_inputs", "compute_dtype", "phasor_channel_dim", "positive_number"]
 
 
 def positive_number(value: object) -> bool:
@@ -26,7 +24,7 @@ def positive_number(value: object) -> bool:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype MRSNorm computes in for inputs of ``dtype``: float32 for float16/bfloat16
     (``x^2`` of a half overflows past 256), the dtype itself otherwise."""
-    # two comparisons rather than ``in HALF_DTYPES``: TorchScript cannot read a global tuple,
+    # two comparisons rather than ``in (...)``: TorchScript cannot read a global tuple,
     # and the reference formula that calls this is scripted by the modules' TorchScript path
     return torch.float32 if dtype == torch.float16 or dtype == torch.bfloat16 else dtype
 
