@@ -100,6 +100,7 @@ def test_env_switch_turns_the_kernels_off(fresh_build: Path, monkeypatch: pytest
         mrs_norm(torch.randn(16, 64), backend="cpp")
 
 
+@pytest.mark.slow  # a build of its own (~10 s of CPU)
 def test_read_only_home_builds_in_the_temp_dir(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -265,8 +266,9 @@ def test_the_portable_build_can_be_asked_for(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_kernels._flag_sets() == [portable]
 
 
-# one build each (~13 s of CPU since the library holds the operators too): the default suite keeps the portable one
-@pytest.mark.parametrize("other", ["portable", pytest.param("generic", marks=pytest.mark.slow),
+# one build each (~13 s of CPU since the library holds the operators too): the default suite keeps
+# test_the_portable_build_converts_float16_like_torch (a build of its own) and the default build
+@pytest.mark.parametrize("other", [pytest.param("portable", marks=pytest.mark.slow), pytest.param("generic", marks=pytest.mark.slow),
                                    pytest.param("avx2", marks=(needs_avx2, pytest.mark.slow)),
                                    pytest.param("haswell", marks=(needs_avx2, pytest.mark.slow))])
 def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,7 +309,8 @@ def test_every_build_agrees_with_the_default_one(other: str, fresh_build: Path, 
                 torch.testing.assert_close(a, b, rtol=0, atol=tol * b.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["generic", pytest.param("avx2", marks=(needs_avx2, pytest.mark.slow))])
+@pytest.mark.slow  # one build each (~13 s of CPU)
+@pytest.mark.parametrize("name", ["generic", pytest.param("avx2", marks=needs_avx2)])
 def test_a_kernel_set_is_its_own_build_chosen_by_env_or_block(
     name: str, fresh_build: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,6 +354,7 @@ def test_an_unknown_kernel_set_is_a_clear_error(fresh_build: Path, monkeypatch: 
         mrs_norm(torch.randn(16, 64))  # at the first call, not a warning and a silent fallback
 
 
+@pytest.mark.slow  # a failing build (~15 s of CPU)
 def test_a_kernel_set_that_cannot_build_here_says_why(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_kernels.available()
     monkeypatch.setenv("LIGHTNING_MRS_CPU_NATIVE", "0")  # avx2 is built with -march=native only
