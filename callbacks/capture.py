@@ -194,7 +194,7 @@ class LayerCapture(Generic[LayerT]):
         for op in ("sum", "max"):
             named = {(name, f): getattr(s, f) for name, s in self.sums.items() for f in s.reduced_by(op)}
             out.update(apply_flat(named, lambda flat, op=op: reduce(flat, op)))
-        return {name: type(s)(**{f: out[name, f] for f in s.as_dict()}) for name, s in self.sums.items()}
+        return {name: s._like(out[name, f] for f in s.as_dict()) for name, s in self.sums.items()}
 
 
 def layer_metrics(tag: Callable[[str, str], str], layers: Sequence[LayerT], sums: Mapping[str, Sums],

@@ -62,14 +62,13 @@ class Sums:
     @classmethod
     def reduced_by(cls, op: str) -> tuple[str, ...]:
         """The fields that combine with ``op`` (``"sum"`` or ``"max"``)."""
-        return tuple(f.name for f in fields(cls) if f.metadata["reduce"] == op)
+        return tuple(name for name, maxed, _ in _spec(cls) if ("max" if maxed else "sum") == op)
 
     @classmethod
     def zeros(cls: type[S], size: int = 0, *, dtype: torch.dtype = torch.float64,
               device: Optional[torch.device] = None) -> S:
         """Empty sums with vector fields of ``size`` entries (the start of an accumulation)."""
-        return cls(**{f.name: torch.zeros((size,) if f.metadata["vector"] else (), dtype=dtype, device=device)
-                      for f in fields(cls)})
+        return cls(*(torch.zeros((size,) if vector else (), dtype=dtype, device=device) for _, _, vector in _spec(cls)))
 
     def as_dict(self) -> dict[str, Tensor]:
         """Field name -> tensor."""
@@ -77,13 +76,21 @@ class Sums:
 
     def to(self: S, *args: Any, **kwargs: Any) -> S:
         """Every field through ``Tensor.to(*args, **kwargs)``."""
-        return type(self)(*(getattr(self, name).to(*args, **kwargs) for name, _, _ in _spec(type(self))))
+        return self._like(getattr(self, name).to(*args, **kwargs) for name, _, _ in _spec(type(self)))
 
     def __add__(self: S, other: S) -> S:
         if type(other) is not type(self):
             return NotImplemented
-        return type(self)(*(torch.maximum(getattr(self, name), getattr(other, name)) if maxed
-                            else getattr(self, name) + getattr(other, name) for name, maxed, _ in _spec(type(self))))
+        return self._like(torch.maximum(getattr(self, name), getattr(other, name)) if maxed
+                          else getattr(self, name) + getattr(other, name) for name, maxed, _ in _spec(type(self)))
+
+    def _like(self: S, values: Iterable[Tensor]) -> S:
+        """Sums of this class from field values in declaration order, unchecked: ``+`` and ``to`` keep
+        checked shapes, and a hook adds often (``__post_init__`` checks a monitor's own sums)."""
+        out = object.__new__(type(self))
+        for (name, _, _), value in zip(_spec(type(self)), values):
+            object.__setattr__(out, name, value)  # as a frozen dataclass's __init__ does
+        return out
 
 
 @lru_cache(maxsize=None)
