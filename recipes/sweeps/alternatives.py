@@ -194,7 +194,7 @@ def report(stem: Path) -> str:
     when the rule and the cells ran, what was cut, the commands)."""
     facts = json.loads(stem.with_suffix(".json").read_text())
     lines = [f"# Norm-free alternatives (issue 64): the results", "",
-             f"Written by `python -m recipes.sweeps.alternatives --report {stem.as_posix()}` from the CSVs beside it and "
+             f"Written by `python -m recipes.sweeps.alternatives --report {stem.parent.name}/{stem.name}` from the CSVs beside it and "
              f"`{stem.name}.json`; the rule is [docs/results.md](results.md#norm-free-alternatives-issue-64-the-rule-fixed-"
              f"before-the-run), committed in {facts['rule_commit']} at {facts['rule_time']}. The first cell ran at "
              f"{facts['cells_started']}.", "", f"**Budget.** {facts['budget']}", ""]
@@ -209,15 +209,20 @@ def report(stem: Path) -> str:
                   f"{len(rows)} cells ({', '.join(sorted({r['norm'] for r in rows}))}; lrs "
                   f"{', '.join(f'{lr:g}' for lr in lrs)}; seeds {', '.join(sorted({r['seed'] for r in rows}, key=int))}), "
                   f"{cpu:.1f} CPU minutes.", "", render(arms, questions, metric).rstrip("\n"), ""]
+        for extra in sorted({r["norm"] for r in rows} - set(ARMS)):  # e.g. the ResNet's own BatchNorm
+            a = arm_summary(rows, extra, metric)
+            lines += [f"Beside them, not compared: `{extra}`, best lr {a.best_lr:g}, {metric} {_interval(a.best)}, "
+                      f"LR sensitivity {_interval(a.sensitivity)}.", ""]
         heldout_csv = stem.parent / f"{stem.name}_{name}_heldout.csv"
         if heldout_csv.exists():
             held = _read(heldout_csv, precision)
             seeds = ", ".join(sorted({r["seed"] for r in held}, key=int))
             lines += [f"Held out (seeds {seeds}, {len(held)} cells, each arm at its best lr above; "
                       f"{sum(float(r['cpu_s']) for r in held) / 60:.1f} CPU minutes, outside the budget):", ""]
-            lines += [f"- {label}: {main_d:+.4g} here, {held_d:+.4g} held out: "
-                      f"**{'same direction' if same else 'the other direction'}**"
-                      for label, main_d, held_d, same in held_out(arms, held, metric)]
+            lines += [f"- {label}: {main_d:+.4g} here, {held_d:+.4g} held out: " + (
+                      f"**{'agrees' if same else 'disagrees'}** with the verdict's direction" if q.low > 0 or q.high < 0
+                      else f"{'same' if same else 'the other'} sign; the verdict has no direction (its interval holds 0)")
+                      for q, (label, main_d, held_d, same) in zip(questions, held_out(arms, held, metric))]
             lines.append("")
     lines += [f"All cells of the three comparisons: {total:.1f} CPU minutes.", ""]
     return "\n".join(lines)

@@ -92,15 +92,16 @@ def test_held_out_seeds_agree_or_not_in_direction() -> None:
     assert [same for *_, same in held_out(arms, rows(0.95), "final_top1")] == [True, True, True]
 
 
-def _stem(tmp_path):
+def _stem(tmp_path, curves=CURVES):
     stem = tmp_path / "alt"
     for name, _, metric, precision in COMPARISONS:
-        rows = _rows(CURVES) if metric == "final_top1" else [
-            {**r, "final_bpb": str(3 - float(r.pop("final_top1"))), "precision": "bf16-mixed"} for r in _rows(CURVES)]
+        rows = _rows(curves) if metric == "final_top1" else [
+            {**r, "final_bpb": str(3 - float(r.pop("final_top1"))), "precision": "bf16-mixed"} for r in _rows(curves)]
+        rows += [{**r, "norm": "batch"} for r in rows if r["norm"] == "layer"] if name == "resnet" else []
         for r in rows:
             r["cpu_s"] = "6"
         _write(tmp_path, rows).rename(tmp_path / f"alt_{name}.csv")
-    held = [r for r in _rows(CURVES) if float(r["lr"]) == (1.0 if r["norm"] == "mrs" else 0.1)]  # the best lrs
+    held = [r for r in _rows(curves) if float(r["lr"]) == (1.0 if r["norm"] == "mrs" else 0.1)]  # the best lrs
     for r in held:
         r.update(seed=str(int(r["seed"]) + 5), cpu_s="6")
     _write(tmp_path, held).rename(tmp_path / "alt_vit_heldout.csv")
@@ -117,7 +118,10 @@ def test_the_report_has_every_comparison_its_cost_and_the_held_out_check(tmp_pat
     assert text == report(stem) and "committed in abc1234 at 2026-12-07 11:47 UTC" in text
     assert text.count("**yes: Derf beats DyT**") == 3  # lower bpb is better: 3 - top-1 keeps every order
     assert "50 cells (derf, dyt, layer, mrs, rms; lrs 0.1, 1; seeds 0, 1, 2, 3, 4), 5.0 CPU minutes." in text
-    assert "- Derf - DyT: +0.1 here, +0.1 held out: **same direction**" in text
+    assert text.count("Beside them, not compared: `batch`, best lr 0.1, final_top1 0.9 [0.8") == 1  # the ResNet's own
+    assert "- Derf - DyT: +0.1 here, +0.1 held out: **agrees** with the verdict's direction" in text
+    tie = report(_stem(tmp_path, {**CURVES, "dyt": {0.1: 0.899, 1.0: 0.2}, "derf": {0.1: 0.899, 1.0: 0.3}}))
+    assert "- Derf - DyT: +0 here, +0 held out: same sign; the verdict has no direction (its interval holds 0)" in tie
     # held out at lr 0.1 only: MRSNorm's best lr (1.0) has no held-out cell, so the check says so
     with pytest.raises(ValueError, match="no held-out cell of 'mrs' at its best lr 1"):
         held_out(verdicts(_rows(CURVES), "final_top1")[0], [r for r in _rows(CURVES) if r["lr"] == "0.1"], "final_top1")
