@@ -6,6 +6,7 @@ ResNet, the ``norm-vit`` digits ViT, or the ``lm`` sweep's bf16 arms):
 
     python -m recipes.sweeps.alternatives runs/stress_digits/results.csv                        # final top-1
     python -m recipes.sweeps.alternatives runs/stress_lm_stdlib/results.csv --metric final_bpb --precision bf16-mixed
+    python -m recipes.sweeps.alternatives --report docs/stress_alternatives     # the committed report, rebuilt
 
 Per arm: its best lr (the best mean over seeds of the final metric; ties: the smaller lr), the per-seed final
 metric there with Student's t 95 % interval, and the per-seed LR sensitivity (Wortsman et al. 2023: the mean over
@@ -18,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 from recipes.sweeps.claims.stats import mean_interval, welch_interval
 from recipes.sweeps.score import DIVERGED_BPB
 
-__all__ = ["ARMS", "MARGINS", "MIN_SEEDS", "Arm", "Question", "arm_summary", "compare", "main", "render", "verdicts"]
+__all__ = ["ARMS", "COMPARISONS", "MARGINS", "MIN_SEEDS", "Arm", "Question", "arm_summary", "compare", "held_out", "main",
+           "render", "report", "verdicts"]
 
 #: the five arms, in table order
 ARMS = ("layer", "rms", "mrs", "dyt", "derf")
@@ -90,6 +94,11 @@ def compare(a: Arm, b: Arm, metric: str) -> tuple[float, float, float]:
     return i.estimate, i.low, i.high
 
 
+def _best_other(arms: dict[str, Arm], metric: str) -> Arm:
+    """The arm other than ``mrs`` with the best mean best-final-metric (chosen on the same seeds)."""
+    return max((arms[n] for n in ARMS if n != "mrs"), key=lambda a: (1 if HIGHER[metric] else -1) * sum(a.best) / len(a.best))
+
+
 def verdicts(rows: Sequence[dict[str, str]], metric: str, arm_column: str = "norm") -> tuple[dict[str, Arm], list[Question]]:
     """The rule on ``rows``: every arm's summary and the three questions' verdicts.
 
@@ -110,8 +119,7 @@ def verdicts(rows: Sequence[dict[str, str]], metric: str, arm_column: str = "nor
     d2, lo2, hi2 = compare(arms["derf"], arms["dyt"], metric)
     q2 = "yes: Derf beats DyT" if lo2 > 0 else "no: DyT beats Derf" if hi2 < 0 else (
         "no: a tie within the margin" if lo2 > -delta and hi2 < delta else "inconclusive")
-    others = [arms[n] for n in ARMS if n != "mrs"]
-    best_other = max(others, key=lambda a: (1 if HIGHER[metric] else -1) * sum(a.best) / len(a.best))
+    best_other = _best_other(arms, metric)
     d3, lo3, hi3 = compare(arms["mrs"], best_other, metric)
     if lo3 > 0:
         q3 = f"better than the best other ({best_other.name})"
@@ -146,14 +154,95 @@ def render(arms: dict[str, Arm], questions: list[Question], metric: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the rule's three comparisons: name (``<stem>_<name>.csv``), title, metric, the precision column's value or None
+COMPARISONS = (
+    ("vit", "ViT on the digits (`--sweep norm-vit`)", "final_top1", None),
+    ("resnet", "ResNet on the digits (`--sweep norm`)", "final_top1", None),
+    ("lm", "Byte-level Llama on the standard library (`--sweep lm`, bf16-mixed)", "final_bpb", "bf16-mixed"),
+)
+
+
+def _read(path: Path, precision: Optional[str]) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if precision is None or r.get("precision") == precision]
+
+
+def held_out(arms: dict[str, Arm], rows: Sequence[dict[str, str]], metric: str) -> list[tuple[str, float, float, bool]]:
+    """The three differences on held-out seeds, each arm at its best lr of the main run: ``(label, main
+    difference, held-out difference, same sign)`` (positive: the first arm better)."""
+    sign = 1.0 if HIGHER[metric] else -1.0
+
+    def mean_at_best(arm: Arm) -> float:
+        values = [_value(r, metric) for r in rows if r["norm"] == arm.name and float(r["lr"]) == arm.best_lr]
+        if not values:
+            raise ValueError(f"no held-out cell of {arm.name!r} at its best lr {arm.best_lr:g}")
+        return sum(values) / len(values)
+
+    other = _best_other(arms, metric)
+    out = []
+    for label, a, b in (("DyT - LayerNorm", arms["dyt"], arms["layer"]), ("Derf - DyT", arms["derf"], arms["dyt"]),
+                        (f"MRSNorm - {other.name}", arms["mrs"], other)):
+        main_d = sign * (sum(a.best) / len(a.best) - sum(b.best) / len(b.best))
+        held_d = sign * (mean_at_best(a) - mean_at_best(b))
+        out.append((label, main_d, held_d, (main_d > 0) == (held_d > 0)))
+    return out
+
+
+def report(stem: Path) -> str:
+    """The committed report of the rule: ``<stem>.md`` from ``<stem>_<comparison>.csv`` (and
+    ``<stem>_<comparison>_heldout.csv`` where present) and ``<stem>.json`` (what the CSVs do not hold:
+    when the rule and the cells ran, what was cut, the commands)."""
+    facts = json.loads(stem.with_suffix(".json").read_text())
+    lines = [f"# Norm-free alternatives (issue 64): the results", "",
+             f"Written by `python -m recipes.sweeps.alternatives --report {stem.parent.name}/{stem.name}` from the CSVs beside it and "
+             f"`{stem.name}.json`; the rule is [docs/results.md](results.md#norm-free-alternatives-issue-64-the-rule-fixed-"
+             f"before-the-run), committed in {facts['rule_commit']} at {facts['rule_time']}. The first cell ran at "
+             f"{facts['cells_started']}.", "", f"**Budget.** {facts['budget']}", ""]
+    total = 0.0
+    for name, title, metric, precision in COMPARISONS:
+        rows = _read(stem.parent / f"{stem.name}_{name}.csv", precision)
+        cpu = sum(float(r["cpu_s"]) for r in rows) / 60
+        total += cpu
+        arms, questions = verdicts(rows, metric)
+        lrs = sorted({float(r["lr"]) for r in rows})
+        lines += [f"## {title}", "", f"`{facts['commands'][name]}`", "",
+                  f"{len(rows)} cells ({', '.join(sorted({r['norm'] for r in rows}))}; lrs "
+                  f"{', '.join(f'{lr:g}' for lr in lrs)}; seeds {', '.join(sorted({r['seed'] for r in rows}, key=int))}), "
+                  f"{cpu:.1f} CPU minutes.", "", render(arms, questions, metric).rstrip("\n"), ""]
+        for extra in sorted({r["norm"] for r in rows} - set(ARMS)):  # e.g. the ResNet's own BatchNorm
+            a = arm_summary(rows, extra, metric)
+            lines += [f"Beside them, not compared: `{extra}`, best lr {a.best_lr:g}, {metric} {_interval(a.best)}, "
+                      f"LR sensitivity {_interval(a.sensitivity)}.", ""]
+        heldout_csv = stem.parent / f"{stem.name}_{name}_heldout.csv"
+        if heldout_csv.exists():
+            held = _read(heldout_csv, precision)
+            seeds = ", ".join(sorted({r["seed"] for r in held}, key=int))
+            lines += [f"Held out (seeds {seeds}, {len(held)} cells, each arm at its best lr above; "
+                      f"{sum(float(r['cpu_s']) for r in held) / 60:.1f} CPU minutes, outside the budget):", ""]
+            lines += [f"- {label}: {main_d:+.4g} here, {held_d:+.4g} held out: " + (
+                      f"**{'agrees' if same else 'disagrees'}** with the verdict's direction" if q.low > 0 or q.high < 0
+                      else f"{'same' if same else 'the other'} sign; the verdict has no direction (its interval holds 0)")
+                      for q, (label, main_d, held_d, same) in zip(questions, held_out(arms, held, metric))]
+            lines.append("")
+    lines += [f"All cells of the three comparisons: {total:.1f} CPU minutes.", ""]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recipes.sweeps.alternatives", description=__doc__.split("\n\n")[0])
-    p.add_argument("csv", help="a sweep's results.csv")
+    p.add_argument("csv", nargs="?", help="a sweep's results.csv")
+    p.add_argument("--report", metavar="STEM", type=Path,
+                   help="write STEM.md, the committed report, from STEM_{vit,resnet,lm}.csv and STEM.json")
     p.add_argument("--metric", choices=list(MARGINS), default="final_top1")
     p.add_argument("--precision", help="only the rows of this precision column value (the lm sweep: bf16-mixed)")
     args = p.parse_args(argv)
-    with open(args.csv, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if args.precision is None or r.get("precision") == args.precision]
+    if (args.csv is None) == (args.report is None):
+        p.error("give a results.csv or --report STEM")
+    if args.report is not None:
+        args.report.with_suffix(".md").write_text(report(args.report))
+        print(f"wrote {args.report.with_suffix('.md')}")
+        return 0
+    rows = _read(Path(args.csv), args.precision)
     try:
         arms, questions = verdicts(rows, args.metric)
     except ValueError as err:
