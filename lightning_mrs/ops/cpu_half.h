@@ -68,53 +68,44 @@ inline void st(f16* p, float f) {
   p->bits = static_cast<uint16_t>(o | sign);
 }
 
-// float16 rows with the x86 conversion instructions where the compiler may use them
-// (-march=native on a CPU with F16C or AVX-512; one instruction per 8 or 16 values, the same
-// rounding). Each converts the first values of the row and returns how many; ld / st do the rest.
-inline int64_t f16_to_f32_simd(const f16* src, float* dst, int64_t n) {
+// float16 with the x86 conversion instructions where the compiler may use them (-march=native on
+// a CPU with F16C or AVX-512; one instruction per 8 or 16 values, rounding to nearest even like st):
+// the vectors of cpu_avx2.h / cpu_avx512.h and the first values of a row here (ld / st do the rest).
+#if defined(__F16C__) || defined(__AVX512F__)
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(f16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRound)); }
+#endif
+#if defined(__AVX512F__)
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store16(f16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound)); }
+#endif
+inline int64_t f16_to_f32_simd([[maybe_unused]] const f16* src, [[maybe_unused]] float* dst, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16)
-    _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(dst + j, load16(src + j));
 #elif defined(__F16C__)
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
 #endif
   return j;
 }
-inline int64_t f32_to_f16_simd(const float* src, f16* dst, int64_t n) {
+inline int64_t f32_to_f16_simd([[maybe_unused]] const float* src, [[maybe_unused]] f16* dst, int64_t n) {
   int64_t j = 0;
-#if defined(__F16C__) || defined(__AVX512F__)
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // nearest even, like st
-#endif
 #if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtps_ph(_mm512_loadu_ps(src + j), kRound));
+  for (; j + 16 <= n; j += 16) store16(dst + j, _mm512_loadu_ps(src + j));
 #elif defined(__F16C__)
-  for (; j + 8 <= n; j += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), kRound));
+  for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_loadu_ps(src + j));
 #endif
   return j;
 }
 
-// bfloat16 stores with AVX512_BF16 (vcvtneps2bf16: nearest even, one instruction per 16 values;
-// the integer rounding of st takes about ten), unless the "generic" kernel set asks for st alone.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(MRS_KERNELS_GENERIC)
+// bfloat16 stores with AVX512_BF16 (vcvtneps2bf16: nearest even, one instruction per 8 or 16
+// values; the integer rounding of st takes about ten), unless the "generic" kernel set asks for st
+// alone. Every CPU with AVX512_BF16 has AVX512DQ and AVX512VL.
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && !defined(MRS_KERNELS_GENERIC)
 #define MRS_AVX512_BF16 1
-// 16 floats as bfloat16 at p, exactly as st would store them (a NaN quieted with its sign and
-// payload): the instruction flushes subnormal floats to zero, so a vector holding one goes through st.
-// The check is one vfpclassps where AVX512DQ has it (the integer test took 20 % of a bfloat16
-// row forward on an Intel Xeon).
-inline __mmask16 subnormal_mask(__m512 v) {
-#if defined(__AVX512DQ__)
-  return _mm512_fpclass_ps_mask(v, 0x20);  // 0x20: the denormal class
-#else
-  const __m512i mag = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
-  // subnormal: 0 < |v| < 2^-126, that is |bits| - 1 < 0x007fffff as unsigned
-  return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(mag, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x007fffff));
-#endif
-}
-// v's floats through st one at a time: the exact rounding, for a vector holding a subnormal.
+// v's floats through st one at a time: the exact rounding (a NaN quieted with its sign and
+// payload), for a vector holding a subnormal, which the instruction flushes to zero.
 template <typename V>
 inline void st_each(bf16* p, V v) {
   constexpr int n = sizeof(V) / sizeof(float);
@@ -122,26 +113,16 @@ inline void st_each(bf16* p, V v) {
   std::memcpy(f, &v, sizeof(V));
   for (int i = 0; i < n; ++i) st(p + i, f[i]);
 }
+// 16 (8) floats as bfloat16 at p, exactly as st would store them; the subnormal test is one
+// vfpclassps (0x20: the denormal class; an integer test took 20 % of a bfloat16 row forward).
 inline void store16(bf16* p, __m512 v) {
-  if (subnormal_mask(v) != 0) [[unlikely]] return st_each(p, v);
+  if (_mm512_fpclass_ps_mask(v, 0x20) != 0) [[unlikely]] return st_each(p, v);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
-#if defined(__AVX512VL__)
-#define MRS_BF16_STORE8 1  // store8 below: cpu_avx2.h's bfloat16 stores
-inline __mmask8 subnormal_mask(__m256 v) {
-#if defined(__AVX512DQ__)
-  return _mm256_fpclass_ps_mask(v, 0x20);
-#else
-  const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
-  return _mm256_cmplt_epu32_mask(_mm256_sub_epi32(mag, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x007fffff));
-#endif
-}
-// 8 floats as bfloat16 at p, as store16 stores 16.
 inline void store8(bf16* p, __m256 v) {
-  if (subnormal_mask(v) != 0) [[unlikely]] return st_each(p, v);
+  if (_mm256_fpclass_ps_mask(v, 0x20) != 0) [[unlikely]] return st_each(p, v);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
 }
-#endif
 #endif
 // The first values of a float32 row as bfloat16 with store16; returns how many (0 without it).
 inline int64_t f32_to_bf16_simd([[maybe_unused]] const float* src, [[maybe_unused]] bf16* dst,

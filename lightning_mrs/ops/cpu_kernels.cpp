@@ -2,8 +2,9 @@
 // library.py): one-pass kernels of the fused MRSNorm (docs/method.md#the-fused-forward-and-backward).
 //
 // Built and imported as `lightning_mrs_cpu` by cpu_kernels.py (see its docstring). Conversions and
-// buffers: cpu_half.h; per-sample loops: cpu_sample.h; row kernels of AVX2 / AVX512_BF16 builds:
-// cpu_avx2.h / cpu_avx512.h. Here: the generic row loops, which kernels each dtype runs, and the operators.
+// buffers: cpu_half.h; per-sample kernels: cpu_sample.h; vector row kernels: cpu_rows.h, over the
+// vector types of cpu_avx2.h / cpu_avx512.h. Here: the generic row loops, which kernels each dtype
+// runs, and the operators.
 //
 // Why hand-written: the backward of MRSNorm needs, per group, c = sum_k w g x (a row
 // reduction), then dx, and dw = sum over groups of g x / S (a column reduction). Inductor
@@ -43,6 +44,7 @@
 #include "cpu_avx2.h"
 #include "cpu_avx512.h"
 #include "cpu_half.h"
+#include "cpu_rows.h"
 #include "cpu_sample.h"
 
 namespace {
@@ -173,43 +175,38 @@ void bwd_rows(const T* x, const T* g, const float* w, const float* rsum, T* dx, 
   dwb.reduce(dw);
 }
 
-// Which kernels a dtype runs: cpu_avx2.h's for every dtype without AVX-512 (or with the "avx2"
-// set); on AVX-512 for float16 only, where the loops above lose to F16C in registers while their
-// float32 and bfloat16 code beats 8 lanes (docs/performance-lm.md#parity-on-an-avx-512-cpu).
-#if defined(MRS_AVX2)
-#if defined(MRS_KERNELS_AVX2) || !defined(__AVX512F__)
+// Which kernels a dtype runs, for rows and per sample alike (MRS_SIMD): the kernels of cpu_rows.h
+// and cpu_sample.h over cpu_avx512.h's V16 on an AVX512_BF16 build under "auto", for every dtype
+// (faster than both others on an AVX-512 Xeon: docs/performance-lm.md#avx-512-row-kernels); else
+// over cpu_avx2.h's V8 for every dtype without AVX-512 (or with the "avx2" set), and on AVX-512 for
+// float16 only, where the generic loops lose to F16C in registers while their float32 and bfloat16
+// code beats 8 lanes (docs/performance-lm.md#parity-on-an-avx-512-cpu); else the generic loops.
+#if defined(MRS_AVX2) && (defined(MRS_KERNELS_AVX2) || !defined(__AVX512F__))
 template <typename T>
 constexpr bool kAvx2 = true;
-#else
+#elif defined(MRS_AVX2)
 template <typename T>
 constexpr bool kAvx2 = std::is_same_v<T, f16>;
-#endif
-#define MRS_KERNEL(T, fn, ...) (kAvx2<T> ? &mrs::avx2::fn<__VA_ARGS__> : &fn<__VA_ARGS__>)
-#define MRS_AVX2_ROWS(T, fn, ...) (kAvx2<T> ? &mrs::simd::fn<mrs::avx2::V8, __VA_ARGS__> : &fn<__VA_ARGS__>)
 #else
 template <typename T>
 constexpr bool kAvx2 = false;
-#define MRS_KERNEL(T, fn, ...) (&fn<__VA_ARGS__>)
-#define MRS_AVX2_ROWS MRS_KERNEL
 #endif
-// The row kernels of cpu_avx512.h on an AVX512_BF16 build under "auto", for every dtype: faster
-// than both others on an AVX-512 Xeon (docs/performance-lm.md#avx-512-row-kernels). The
-// per-sample kernels keep the choice of kAvx2.
 #if defined(MRS_AVX512_BF16) && !defined(MRS_KERNELS_AVX2)
-constexpr bool kAvx512Rows = true;
-#define MRS_ROWS(T, fn, ...) (&mrs::simd::fn<mrs::avx512::V16, __VA_ARGS__>)
+constexpr bool kAvx512 = true;
+#define MRS_SIMD(T, fn, ...) (&mrs::simd::fn<mrs::avx512::V16, __VA_ARGS__>)
+#elif defined(MRS_AVX2)
+constexpr bool kAvx512 = false;
+#define MRS_SIMD(T, fn, ...) (kAvx2<T> ? &mrs::simd::fn<mrs::avx2::V8, __VA_ARGS__> : &fn<__VA_ARGS__>)
 #else
-constexpr bool kAvx512Rows = false;
-#define MRS_ROWS(T, fn, ...) MRS_AVX2_ROWS(T, fn, __VA_ARGS__)
+constexpr bool kAvx512 = false;
+#define MRS_SIMD(T, fn, ...) (&fn<__VA_ARGS__>)
 #endif
 
 // Which kernels this build runs (cpu_kernels.py: loaded_kernels): 1 = the generic loops, 2 =
-// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = the row
-// kernels of cpu_avx512.h for every dtype, and for the per-sample kernels as 3 with the bfloat16
-// stores of cpu_half.h / cpu_avx512.h (AVX512_BF16; every such CPU has AVX2 and F16C).
+// cpu_avx2.h's, 3 = cpu_avx2.h's for float16 and the generic loops for the others, 4 = cpu_avx512.h's.
 int mrs_kernel_set() {
+  if (kAvx512) return 4;
   if (kAvx2<float> && kAvx2<bf16>) return 2;
-  if (kAvx512Rows) return 4;
   if (kAvx2<f16>) return 3;
   return 1;
 }
@@ -244,8 +241,8 @@ void forward_kernel(bool rows, const void* x, const void* w, at::ScalarType wt, 
   const float* wf = weight_f32(w, wkind_of(w, wt), (rows ? c : b) / 2, buf);
   const T* xp = static_cast<const T*>(x);
   T* yp = static_cast<T*>(y);
-  if (!rows) return MRS_KERNEL(T, fwd_sample, T)(xp, wf, yp, rs, a, b, c, eps, nt);
-  (wf ? MRS_ROWS(T, fwd_rows, T, true) : MRS_ROWS(T, fwd_rows, T, false))(xp, wf, yp, rs, a, b, c, eps, nt);
+  if (!rows) return MRS_SIMD(T, fwd_sample, T)(xp, wf, yp, rs, a, b, c, eps, nt);
+  (wf ? MRS_SIMD(T, fwd_rows, T, true) : MRS_SIMD(T, fwd_rows, T, false))(xp, wf, yp, rs, a, b, c, eps, nt);
 }
 
 template <typename T>
@@ -255,9 +252,9 @@ void backward_kernel(bool rows, const void* x, const void* g, const void* w, at:
   const float* wf = weight_f32(w, wkind_of(w, wt), (rows ? c : b) / 2, buf);
   const T *xp = static_cast<const T*>(x), *gp = static_cast<const T*>(g);
   T* dp = static_cast<T*>(dx);
-  if (!rows) return MRS_KERNEL(T, bwd_sample, T)(xp, gp, wf, rs, dp, wf ? dw : nullptr, a, b, c, eps, nt);
-  auto fn = !wf ? MRS_ROWS(T, bwd_rows, T, false, false)
-            : dw ? MRS_ROWS(T, bwd_rows, T, true, true) : MRS_ROWS(T, bwd_rows, T, true, false);
+  if (!rows) return MRS_SIMD(T, bwd_sample, T)(xp, gp, wf, rs, dp, wf ? dw : nullptr, a, b, c, eps, nt);
+  auto fn = !wf ? MRS_SIMD(T, bwd_rows, T, false, false)
+            : dw ? MRS_SIMD(T, bwd_rows, T, true, true) : MRS_SIMD(T, bwd_rows, T, true, false);
   fn(xp, gp, wf, rs, dp, dw, a, b, c, eps, nt);
 }
 

@@ -12,7 +12,7 @@ whose ``activate()`` registers its kernels with torch's dispatcher (``LIGHTNING_
 the portable build, without ``-march=native``). Which kernels it holds is its *kernel set*
 (:data:`KERNEL_SETS`; ``LIGHTNING_MRS_CPU_KERNEL_SET``, or :func:`using` for a block of code):
 ``auto`` runs the faster of ``cpu_avx2.h``'s kernels and the compiler-vectorised loops for each
-dtype on this CPU, as measured (with AVX512_BF16 the row kernels of ``cpu_avx512.h``);
+dtype on this CPU, as measured (with AVX512_BF16 the kernels over ``cpu_avx512.h``'s 16 lanes);
 :func:`loaded_kernels` says which. Nothing happens at import time; :func:`available` builds. If
 the build fails (no compiler, no OpenMP, no headers), :func:`available` is ``False``,
 :func:`build_error` says why and ``backend="auto"`` takes the next backend.
@@ -50,8 +50,7 @@ _LOCK = threading.Lock()
 KERNEL_SETS = ("auto", "avx2", "generic")
 _DEFINES = {"auto": [], "avx2": ["-DMRS_KERNELS_AVX2"], "generic": ["-DMRS_KERNELS_GENERIC"]}
 #: mrs_kernel_set() of the library -> the kernels it runs (loaded_kernels)
-_LOADED = {1: "generic", 2: "avx2", 3: "avx2 for float16, generic for float32 and bfloat16",
-           4: "avx512 rows; per sample avx2 for float16, avx512_bf16 for bfloat16, generic for float32"}
+_LOADED = {1: "generic", 2: "avx2", 3: "avx2 for float16, generic for float32 and bfloat16", 4: "avx512"}
 # The state of the kernel set in use: "set" (its name), "lib" (the imported module or None),
 # "error", "flags", "kernels". One dict per set in _SETS; using() swaps _STATE.
 _STATE: dict[str, object] = {}

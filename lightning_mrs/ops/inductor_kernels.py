@@ -136,7 +136,7 @@ def _warn_limit(name: str) -> None:
         )
 
 
-# --- the backend interface (see lightning_mrs.ops.dispatch.Backend) -------------------------
+# --- the backend interface (what lightning_mrs.ops.dispatch asks of a backend module) ---------
 def unavailable(key: DispatchKey, explicit: bool) -> Optional[str]:
     """Why ``auto`` should not compile for ``key`` (an explicit request only needs a device
     Inductor compiles for)."""

@@ -104,11 +104,6 @@ def _kernels(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: int, 
     return route.fallback, route.canonical
 
 
-def _empty_fwd(x: Tensor, channel_dim: int, spatial: bool) -> tuple[Tensor, Tensor]:
-    groups = x.shape[0] if spatial else 0
-    return torch.empty_like(x), x.new_zeros(groups, dtype=compute_dtype(x.dtype))
-
-
 def _run_fwd(name: str, canonical: Canonical, x: Tensor, weight: Optional[Tensor],
              eps: float) -> tuple[Tensor, Tensor]:
     y3, r_sum = get_backend(name).forward(canonical.view(x), weight, eps, canonical.layout)
@@ -132,8 +127,8 @@ def fallback_fwd(x: Tensor, weight: Optional[Tensor], eps: float, channel_dim: i
                                                                                 backend)
     if name is None:  # a compiled graph's guess on a layout the operator pair covers after all
         return FWD(x, weight, eps, channel_dim, spatial)
-    if canonical is None:
-        return _empty_fwd(x, channel_dim, spatial)
+    if canonical is None:  # an empty input
+        return torch.empty_like(x), x.new_zeros(x.shape[0] if spatial else 0, dtype=compute_dtype(x.dtype))
     return _run_fwd(name, canonical, x, weight, eps)
 
 

@@ -265,14 +265,21 @@ def _rows_forward(x: Tensor, y: Tensor, w: Optional[Tensor], r_sum: Tensor, eps:
     )
 
 
+def _dw_parts(blocks: int, warps: int, x: Tensor, w: Optional[Tensor], r_sum: Tensor) -> tuple[int, Tensor]:
+    """Programs of a backward and their ``(programs, P)`` rows of partial ``dw`` (persistent with a
+    weight; without one, one program per tile and ``r_sum`` as a placeholder)."""
+    if w is None:
+        return launch.grid(blocks)[0], r_sum
+    programs = launch.persistent_programs(blocks, _sms(x.device), warps)
+    return programs, torch.empty((programs, w.shape[0]), device=x.device, dtype=torch.float32)
+
+
 def _rows_backward(x: Tensor, w: Optional[Tensor], r_sum: Tensor, g: Tensor, dx: Tensor,
                    eps: float) -> Optional[Tensor]:
     n, c = x.shape
     cfg = launch.row_config(c)
     blocks = launch.cdiv(n, cfg.rows)
-    programs = launch.persistent_programs(blocks, _sms(x.device), cfg.warps) if w is not None \
-        else launch.grid(blocks)[0]  # no dw to sum: one program per tile
-    dw_part = torch.empty((programs, c // 2), device=x.device, dtype=torch.float32) if w is not None else r_sum
+    programs, dw_part = _dw_parts(blocks, cfg.warps, x, w, r_sum)
     _rows_bwd[(programs,)](
         x, g, dx, w if w is not None else r_sum, r_sum, dw_part, n, c // 2,
         x.stride(0), g.stride(0), dx.stride(0), float(eps), blocks,
@@ -289,9 +296,8 @@ def _cols_forward(x3: Tensor, w: Optional[Tensor], eps: float) -> tuple[Tensor, 
     r_sum = torch.empty((a, 1, l), device=x3.device, dtype=torch.float32)
     cfg = launch.column_config(c, l)
     n_lb = launch.cdiv(l, cfg.block_l)
-    blocks = a * n_lb
-    _cols_fwd[launch.grid(blocks)](
-        x3, y3, w if w is not None else r_sum, r_sum, a, l, c // 2, n_lb, blocks,
+    _cols_fwd[launch.grid(a * n_lb)](
+        x3, y3, w if w is not None else r_sum, r_sum, a, l, c // 2, n_lb, a * n_lb,
         *x3.stride(), *y3.stride(), float(eps),
         HAS_W=w is not None, BLOCK_P=cfg.block_p, BLOCK_L=cfg.block_l, num_warps=cfg.warps,
     )
@@ -305,12 +311,9 @@ def _cols_backward(x3: Tensor, w: Optional[Tensor], r_sum: Tensor, g3: Tensor,
     dx3 = torch.empty_like(x3)
     cfg = launch.column_config(c, l)
     n_lb = launch.cdiv(l, cfg.block_l)
-    blocks = a * n_lb
-    programs = launch.persistent_programs(blocks, _sms(x3.device), cfg.warps) if w is not None \
-        else launch.grid(blocks)[0]
-    dw_part = torch.empty((programs, c // 2), device=x3.device, dtype=torch.float32) if w is not None else r_sum
+    programs, dw_part = _dw_parts(a * n_lb, cfg.warps, x3, w, r_sum)
     _cols_bwd[(programs,)](
-        x3, g3, dx3, w if w is not None else r_sum, r_sum, dw_part, a, l, c // 2, n_lb, blocks,
+        x3, g3, dx3, w if w is not None else r_sum, r_sum, dw_part, a, l, c // 2, n_lb, a * n_lb,
         *x3.stride(), *g3.stride(), *dx3.stride(), float(eps),
         HAS_W=w is not None, BLOCK_P=cfg.block_p, BLOCK_L=cfg.block_l, num_warps=cfg.warps,
     )

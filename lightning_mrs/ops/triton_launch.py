@@ -109,8 +109,3 @@ def persistent_programs(blocks: int, sms: int, warps: int, cap: Optional[int] = 
     ``blocks`` tiles or ``cap``. Each writes one ``(P,)`` row of partial ``dw``."""
     return max(1, min(blocks, cap or MAX_GRID0, sms * max(1, _WARPS_PER_SM // warps)))
 
-
-def programs_cover(blocks: int, programs: int) -> list[list[int]]:
-    """The tiles each program visits (``range(pid, blocks, programs)``): what the kernels'
-    loops do, for tests of the fold."""
-    return [list(range(pid, blocks, programs)) for pid in range(programs)]
