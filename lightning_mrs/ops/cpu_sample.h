@@ -14,6 +14,32 @@
 
 namespace mrs {
 
+// The sum of a phasor's magnitudes r = sqrt(u^2 + v^2 + eps) at positions l0 .. L of its two rows.
+template <typename T>
+inline float pair_magnitudes(const T* u, const T* v, int64_t l0, int64_t L, float eps) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t l = l0; l < L; ++l) {
+    const float ul = ld(u[l]), vl = ld(v[l]);
+    s += std::sqrt(ul * ul + vl * vl + eps);
+  }
+  return s;
+}
+
+// A phasor's gradient at positions l0 .. L of its two rows (u, v: its channels; gu, gv: their output
+// gradients): du = gu m - u k / r, dv = gv m - v k / r, r = sqrt(u^2 + v^2 + eps).
+template <typename T>
+inline void pair_grad(const T* u, const T* v, const T* gu, const T* gv, T* du, T* dv, int64_t l0, int64_t L,
+                      float k, float m, float eps) {
+#pragma omp simd
+  for (int64_t l = l0; l < L; ++l) {
+    const float ul = ld(u[l]), vl = ld(v[l]);
+    const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
+    st(du + l, ld(gu[l]) * m - kr * ul);
+    st(dv + l, ld(gv[l]) * m - kr * vl);
+  }
+}
+
 template <typename T>
 void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_t C, int64_t L, float eps, int nt) {
   const int64_t P = C / 2;
@@ -25,13 +51,7 @@ void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_
     float s = 0.f;  // pair by pair: short float sums, then their total
     for (int64_t p = 0; p < P; ++p) {
       const T *u = xa + 2 * p * L, *v = u + L;
-      float sp = 0.f;
-#pragma omp simd reduction(+ : sp)
-      for (int64_t l = 0; l < L; ++l) {
-        const float ul = ld(u[l]), vl = ld(v[l]);
-        sp += std::sqrt(ul * ul + vl * vl + eps);
-      }
-      s += sp;
+      s += pair_magnitudes(u, v, 0, L, eps);
     }
     if (rsum) rsum[a] = s;
     const float inv = n_pairs / s;
@@ -75,13 +95,7 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
         const int64_t o0 = 2 * p * L, o1 = o0 + L;  // the pair's two channels
         const T *u = xa + o0, *v = xa + o1, *gu = ga + o0, *gv = ga + o1;
         T *du = da + o0, *dv = da + o1;
-#pragma omp simd
-        for (int64_t l = 0; l < L; ++l) {
-          const float ul = ld(u[l]), vl = ld(v[l]);
-          const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
-          st(du + l, ld(gu[l]) * m - kr * ul);
-          st(dv + l, ld(gv[l]) * m - kr * vl);
-        }
+        pair_grad(u, v, gu, gv, du, dv, 0, L, k, m, eps);
       }
       if (my)
         for (int64_t p = 0; p < P; ++p) my[p] += gxs[2 * p] + gxs[2 * p + 1];
@@ -121,12 +135,7 @@ void fwd_sample(const T* x, const float* w, T* y, float* rsum, int64_t A, int64_
         acc1 = V::add(acc1, magnitudes(l + N));
       }
       for (; l + N <= L; l += N) acc0 = V::add(acc0, magnitudes(l));
-      float sp = V::hsum(V::add(acc0, acc1));
-      for (; l < L; ++l) {
-        const float ul = ld(u[l]), vl = ld(v[l]);
-        sp += std::sqrt(ul * ul + vl * vl + eps);
-      }
-      s += sp;
+      s += V::hsum(V::add(acc0, acc1)) + pair_magnitudes(u, v, l, L, eps);  // and the last positions
     }
     if (rsum) rsum[a] = s;
     const float inv = n_pairs / s;
@@ -199,12 +208,7 @@ void bwd_sample(const T* x, const T* g, const float* w, const float* rsum, T* dx
           V::store(du + l, V::fmsub(V::load(gu + l), vm, V::mul(kr, ul)));
           V::store(dv + l, V::fmsub(V::load(gv + l), vm, V::mul(kr, vl)));
         }
-        for (; l < L; ++l) {
-          const float ul = ld(u[l]), vl = ld(v[l]);
-          const float kr = k / std::sqrt(ul * ul + vl * vl + eps);
-          st(du + l, ld(gu[l]) * m - kr * ul);
-          st(dv + l, ld(gv[l]) * m - kr * vl);
-        }
+        pair_grad(u, v, gu, gv, du, dv, l, L, k, m, eps);  // the last positions
       }
       if (my)
         for (int64_t p = 0; p < P; ++p) my[p] += gxs[2 * p] + gxs[2 * p + 1];
