@@ -30,7 +30,7 @@ def _run_pair(sweep: list[str], rule: list[str], substitutions: dict[str, str], 
     sweep = [substitutions.get(a, a) for a in sweep]
     proc = run_script(ROOT / sweep[1], sweep[2:] + SMALL + extra, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = results_rows(Path(substitutions[sweep[sweep.index("--out") + 1]]))
+    rows = results_rows(Path(sweep[sweep.index("--out") + 1]))
     assert sorted({r["norm"] for r in rows}) == sorted(ARMS) and len({r["seed"] for r in rows}) == MIN_SEEDS
     rule = [substitutions.get(a, a) for a in rule]
     out = subprocess.run([sys.executable, *rule[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -38,7 +38,7 @@ def _run_pair(sweep: list[str], rule: list[str], substitutions: dict[str, str], 
     return out.stdout
 
 
-@pytest.mark.slow  # 50 Lightning fits: about 3 minutes on 2 idle cores
+@pytest.mark.slow  # 50 short Lightning fits in two sweeps: about 25 s on 2 idle cores
 def test_the_documented_commands_run_the_five_arms_and_the_rule(tmp_path: Path) -> None:
     from PIL import Image
     import numpy as np
