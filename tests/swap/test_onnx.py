@@ -35,17 +35,6 @@ ort = pytest.importorskip("onnxruntime", reason="checking an ONNX export needs o
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=1e-2)}
 
 
-class _Logits(nn.Module):
-    """A causal LM as ``ids -> logits`` (the ONNX graph's one output), without the KV cache."""
-
-    def __init__(self, lm_model: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm_model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, use_cache=False).logits
-
-
 def _cnn() -> tuple[nn.Module, torch.Tensor]:
     model = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10)
     return model.eval(), torch.randn(2, 3, 32, 32)
@@ -58,9 +47,10 @@ def _vit() -> tuple[nn.Module, torch.Tensor]:
 
 
 def _llama() -> tuple[nn.Module, torch.Tensor]:
+    from helpers.exits import Logits
     from helpers.hf import tiny_causal_lm, token_batch
 
-    return _Logits(tiny_causal_lm("llama", use_cache=False)).eval(), token_batch(2, 8)
+    return Logits(tiny_causal_lm("llama", use_cache=False)).eval(), token_batch(2, 8)
 
 
 MODELS = {"cnn": _cnn, "vit": _vit, "llama": _llama}
@@ -172,9 +162,10 @@ def test_onnx_export_hf_families_sdpa(family: str) -> None:
     """transformers' default attention (sdpa) and the families with QK-norms of their own (Qwen3,
     Gemma 3: swapped, not added; Gemma's ``1 + w`` norms) export too."""
     import transformers
+    from helpers.exits import Logits
     from helpers.hf import tiny_config, token_batch
 
-    model = _Logits(transformers.AutoModelForCausalLM.from_config(tiny_config(family, use_cache=False))).eval()
+    model = Logits(transformers.AutoModelForCausalLM.from_config(tiny_config(family, use_cache=False))).eval()
     assert model.lm.config._attn_implementation == "sdpa"
     report = lm.swap_norms(model, "mrs", qk_norm="mrs")
     assert report.converted and not report.skipped
